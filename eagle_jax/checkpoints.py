@@ -1,0 +1,122 @@
+"""Load Hugging Face style checkpoint folders (config.json + safetensors) into the model.
+
+Supports Llama, Mistral and Qwen2 configs, single-file or sharded
+(``model.safetensors.index.json``) weights. Never unpickles and never runs remote code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.config import ModelConfig
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.model import Transformer
+
+
+def read_config(folder: str) -> ModelConfig:
+  path = os.path.join(folder, "config.json")
+  if not os.path.isfile(path):
+    raise EagleJaxError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
+  try:
+    with open(path) as f:
+      cfg = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise EagleJaxError(f"{path}: invalid JSON ({e})") from None
+  return ModelConfig.from_hf_dict(cfg, source=path)
+
+
+def _weight_files(folder: str) -> list[str]:
+  index = os.path.join(folder, "model.safetensors.index.json")
+  if os.path.isfile(index):
+    try:
+      with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError) as e:
+      raise EagleJaxError(f"{index}: invalid safetensors index ({e})") from None
+  else:
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+      has_pickle = any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(folder))
+      hint = " (pickle .bin weights are not loaded; convert them to safetensors)" if has_pickle else ""
+      raise EagleJaxError(f"{folder}: no *.safetensors weight files{hint}")
+  paths = [os.path.join(folder, n) for n in files]
+  for p in paths:
+    if not os.path.isfile(p):
+      raise EagleJaxError(f"{p}: weight shard listed in the index is missing")
+  return paths
+
+
+def read_safetensors(folder: str) -> dict[str, np.ndarray]:
+  from safetensors import safe_open
+
+  tensors = {}
+  for path in _weight_files(folder):
+    try:
+      with safe_open(path, framework="numpy") as f:
+        for name in f.keys():
+          tensors[name] = f.get_tensor(name)
+    except Exception as e:
+      raise EagleJaxError(f"{path}: corrupt safetensors file ({type(e).__name__}: {e})") from None
+  return tensors
+
+
+def _assign(param: nnx.Variable, value: np.ndarray, name: str, dtype):
+  if tuple(param.shape) != tuple(value.shape):
+    raise EagleJaxError(
+        f"weight {name} has shape {tuple(value.shape)}, expected {tuple(param.shape)} from config.json")
+  param.value = jnp.asarray(value, dtype=dtype)
+
+
+def load_weights(model: Transformer, get: Callable[[str], np.ndarray], dtype) -> None:
+  """Copies Hugging Face-named tensors (``[out, in]`` linear weights) into ``model``."""
+  _assign(model.embed.embedding, get("model.embed_tokens.weight"), "model.embed_tokens.weight", dtype)
+  linears = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
+             "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
+             "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+  for i, layer in enumerate(model.layers):
+    prefix = f"model.layers.{i}."
+    _assign(layer.input_norm.weight, get(prefix + "input_layernorm.weight"),
+            prefix + "input_layernorm.weight", dtype)
+    _assign(layer.post_norm.weight, get(prefix + "post_attention_layernorm.weight"),
+            prefix + "post_attention_layernorm.weight", dtype)
+    for ours, theirs in linears.items():
+      group, attr = ours.split(".")
+      lin = getattr(getattr(layer, group), attr)
+      name = prefix + theirs
+      _assign(lin.kernel, get(name + ".weight").T, name + ".weight", dtype)
+      if lin.bias is not None:
+        _assign(lin.bias, get(name + ".bias"), name + ".bias", dtype)
+  _assign(model.final_norm.weight, get("model.norm.weight"), "model.norm.weight", dtype)
+  if model.lm_head is not None:
+    _assign(model.lm_head.kernel, get("lm_head.weight").T, "lm_head.weight", dtype)
+
+
+def abstract_model(config: ModelConfig, param_dtype=jnp.float32) -> Transformer:
+  """The model with shape-only parameters (no memory, no init cost): fill or eval_shape it."""
+  return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+
+
+def load_hf_folder(folder: str, param_dtype=jnp.float32) -> tuple[ModelConfig, Transformer]:
+  """Builds the model from a Hugging Face checkpoint folder."""
+  if not os.path.isdir(folder):
+    raise EagleJaxError(f"checkpoint folder not found: {folder}")
+  config = read_config(folder)
+  tensors = read_safetensors(folder)
+
+  def get(name):
+    if name not in tensors:
+      raise EagleJaxError(f"{folder}: weight {name!r} missing from the safetensors files")
+    return tensors[name]
+
+  model = abstract_model(config, param_dtype)
+  load_weights(model, get, param_dtype)
+  leftover = [p for p in jax.tree.leaves(nnx.state(model)) if isinstance(p, jax.ShapeDtypeStruct)]
+  assert not leftover, f"{len(leftover)} parameters were not loaded"
+  return config, model

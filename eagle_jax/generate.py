@@ -1,0 +1,158 @@
+"""Autoregressive decoding with the whole token loop compiled (one ``lax.while_loop``).
+
+Prompts of different lengths are right-padded into one ``[B, P]`` array; each row's
+cache length starts at its own prompt length, so a row in a ragged batch decodes exactly
+as it would alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.model import KVCache, Transformer
+from eagle_jax.sampling import SamplingParams, sample
+
+BUCKET = 64  # prompt and cache lengths are rounded up to this, to reuse compilations
+
+
+@dataclasses.dataclass
+class Generation:
+  """Result of :func:`generate` (host numpy / python values)."""
+
+  tokens: list[list[int]]  # new tokens per row, up to and including a stop token
+  num_new: list[int]
+  seconds: float  # wall time of the compiled run (prefill + decode), compile excluded
+  compile_seconds: float
+
+  @property
+  def tokens_per_s(self) -> float:
+    return sum(self.num_new) / max(self.seconds, 1e-9)
+
+
+@flax.struct.dataclass
+class _LoopState:
+  cache: KVCache
+  last_B: jax.Array
+  out_BxN: jax.Array
+  num_new_B: jax.Array
+  done_B: jax.Array
+  step: jax.Array
+  key: jax.Array
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = BUCKET, pad_id: int = 0):
+  """Right-pads prompts to a common bucketed length: ``tokens [B, P]``, ``lengths [B]``."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise EagleJaxError("empty prompt: every prompt needs at least one token")
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  width = int(-(-lengths.max() // bucket) * bucket)
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  return tokens, lengths
+
+
+def prefill(model: Transformer, tokens_BxP, lengths_B, cache: KVCache, return_layers=()):
+  """Runs the prompts through the model; returns (output, logits at each row's last token)."""
+  b, p = tokens_BxP.shape
+  positions_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  out = model(tokens_BxP, positions_BxP, cache, num_valid_B=lengths_B,
+              return_layers=return_layers, with_logits=False)
+  last_hidden_BxD = jnp.take_along_axis(out.hidden_BxTxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  return out, model.lm_logits(last_hidden_BxD)
+
+
+def _is_stop(tok_B, stop_ids: tuple[int, ...]):
+  if not stop_ids:
+    return jnp.zeros(tok_B.shape, bool)
+  return jnp.isin(tok_B, jnp.asarray(stop_ids, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "params",
+                                             "stop_ids", "pad_id"))
+def _generate_jit(state, tokens_BxP, lengths_B, key, *, graphdef, max_new_tokens, cache_len,
+                  params, stop_ids, pad_id):
+  model = nnx.merge(graphdef, state)
+  b = tokens_BxP.shape[0]
+  cache = KVCache.init(model.config, b, cache_len, model.embed.embedding.value.dtype)
+  out, logits_BxV = prefill(model, tokens_BxP, lengths_B, cache)
+  key, sub = jax.random.split(key)
+  first_B = sample(sub, logits_BxV, params)
+  s = _LoopState(
+      cache=out.cache, last_B=first_B,
+      out_BxN=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_B),
+      num_new_B=jnp.ones((b,), jnp.int32), done_B=_is_stop(first_B, stop_ids),
+      step=jnp.array(1, jnp.int32), key=key)
+
+  def cond(s):
+    return (s.step < max_new_tokens) & ~jnp.all(s.done_B)
+
+  def body(s):
+    step_out = model(s.last_B[:, None], s.cache.lengths_B[:, None], s.cache)
+    key, sub = jax.random.split(s.key)
+    tok_B = jnp.where(s.done_B, pad_id, sample(sub, step_out.logits_BxTxV[:, -1], params))
+    return _LoopState(
+        cache=step_out.cache, last_B=tok_B, out_BxN=s.out_BxN.at[:, s.step].set(tok_B),
+        num_new_B=s.num_new_B + (~s.done_B).astype(jnp.int32),
+        done_B=s.done_B | _is_stop(tok_B, stop_ids), step=s.step + 1, key=key)
+
+  s = jax.lax.while_loop(cond, body, s)
+  return s.out_BxN, s.num_new_B
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+             params: SamplingParams = SamplingParams(), seed: int = 0,
+             stop_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
+             pad_id: int = 0) -> Generation:
+  """Decodes ``max_new_tokens`` (or until a stop token) for each prompt (token id lists).
+
+  ``stop_ids`` defaults to the config's EOS ids; pass ``()`` to ignore EOS. The cache holds
+  the longest prompt plus ``max_new_tokens``; ``max_cache_len`` (default: the model's
+  context length) bounds it.
+  """
+  if max_new_tokens < 1:
+    raise EagleJaxError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  config = model.config
+  limit = max_cache_len or config.max_position_embeddings
+  tokens_BxP, lengths_B = pad_prompts(prompts, pad_id=pad_id)
+  need = int(lengths_B.max()) + max_new_tokens
+  if need > limit:
+    raise EagleJaxError(
+        f"prompt of {int(lengths_B.max())} tokens plus max_new_tokens={max_new_tokens} needs "
+        f"{need} cache slots, more than the cache length {limit}")
+  cache_len = min(tokens_BxP.shape[1] + -(-max_new_tokens // BUCKET) * BUCKET, limit)
+  stop = tuple(config.eos_token_ids if stop_ids is None else stop_ids)
+  graphdef, state = nnx.split(model)
+  args = (state, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
+  statics = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, cache_len=cache_len,
+                 params=params, stop_ids=stop, pad_id=pad_id)
+  t0 = time.perf_counter()
+  compiled = _compiled(args, statics)
+  t1 = time.perf_counter()
+  out_BxN, num_new_B = jax.block_until_ready(compiled(*args))
+  t2 = time.perf_counter()
+  out_BxN, num_new_B = np.asarray(out_BxN), np.asarray(num_new_B)
+  return Generation(tokens=[out_BxN[i, :n].tolist() for i, n in enumerate(num_new_B)],
+                    num_new=num_new_B.tolist(), seconds=t2 - t1, compile_seconds=t1 - t0)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(args, statics):
+  """Ahead-of-time compiles once per (shapes, settings) so runs can be timed without compile."""
+  shapes = jax.tree.map(lambda a: (a.shape, a.dtype), args[:3])
+  key = (jax.tree.structure(args[0]), tuple(jax.tree.leaves(shapes)), tuple(sorted(statics.items())))
+  if key not in _COMPILED:
+    _COMPILED[key] = _generate_jit.lower(*args, **statics).compile()
+  return _COMPILED[key]

