@@ -74,28 +74,29 @@ def _assign(param: nnx.Variable, value: np.ndarray, name: str, dtype):
   param.value = jnp.asarray(value, dtype=dtype)
 
 
+def _load_linear(lin, get, names: list[str], dtype) -> None:
+  """Loads one or more Hugging Face linears stacked by rows (fused q/k/v, gate/up)."""
+  _assign(lin.weight, np.concatenate([get(n + ".weight") for n in names]), "+".join(names), dtype)
+  if lin.bias is not None:
+    _assign(lin.bias, np.concatenate([get(n + ".bias") for n in names]), "+".join(names) + " bias", dtype)
+
+
 def load_weights(model: Transformer, get: Callable[[str], np.ndarray], dtype) -> None:
-  """Copies Hugging Face-named tensors (``[out, in]`` linear weights) into ``model``."""
-  _assign(model.embed.embedding, get("model.embed_tokens.weight"), "model.embed_tokens.weight", dtype)
-  linears = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
-             "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
-             "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+  """Copies Hugging Face-named tensors into ``model`` (same ``[out, in]`` layout)."""
+  _assign(model.embed, get("model.embed_tokens.weight"), "model.embed_tokens.weight", dtype)
   for i, layer in enumerate(model.layers):
     prefix = f"model.layers.{i}."
     _assign(layer.input_norm.weight, get(prefix + "input_layernorm.weight"),
             prefix + "input_layernorm.weight", dtype)
     _assign(layer.post_norm.weight, get(prefix + "post_attention_layernorm.weight"),
             prefix + "post_attention_layernorm.weight", dtype)
-    for ours, theirs in linears.items():
-      group, attr = ours.split(".")
-      lin = getattr(getattr(layer, group), attr)
-      name = prefix + theirs
-      _assign(lin.kernel, get(name + ".weight").T, name + ".weight", dtype)
-      if lin.bias is not None:
-        _assign(lin.bias, get(name + ".bias"), name + ".bias", dtype)
+    _load_linear(layer.attn.qkv, get, [prefix + f"self_attn.{n}_proj" for n in "qkv"], dtype)
+    _load_linear(layer.attn.o, get, [prefix + "self_attn.o_proj"], dtype)
+    _load_linear(layer.mlp.gate_up, get, [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"], dtype)
+    _load_linear(layer.mlp.down, get, [prefix + "mlp.down_proj"], dtype)
   _assign(model.final_norm.weight, get("model.norm.weight"), "model.norm.weight", dtype)
   if model.lm_head is not None:
-    _assign(model.lm_head.kernel, get("lm_head.weight").T, "lm_head.weight", dtype)
+    _assign(model.lm_head.weight, get("lm_head.weight"), "lm_head.weight", dtype)
 
 
 def abstract_model(config: ModelConfig, param_dtype=jnp.float32) -> Transformer:

@@ -84,7 +84,7 @@ def _generate_jit(state, tokens_BxP, lengths_B, key, *, graphdef, max_new_tokens
                   params, stop_ids, pad_id):
   model = nnx.merge(graphdef, state)
   b = tokens_BxP.shape[0]
-  cache = KVCache.init(model.config, b, cache_len, model.embed.embedding.value.dtype)
+  cache = KVCache.init(model.config, b, cache_len, model.embed.dtype)
   out, logits_BxV = prefill(model, tokens_BxP, lengths_B, cache)
   key, sub = jax.random.split(key)
   first_B = sample(sub, logits_BxV, params)

@@ -104,9 +104,24 @@ class RMSNorm(nnx.Module):
     return self.weight[...] * x32.astype(x.dtype)
 
 
+class Linear(nnx.Module):
+  """``y = x W^T + b`` with ``W`` stored ``[out, in]`` (Hugging Face layout).
+
+  On XLA's CPU backend this layout is a few percent faster for the decode-time
+  matrix-vector products than ``[in, out]``, and checkpoints load without transposes.
+  """
+
+  def __init__(self, din: int, dout: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (dout, din), param_dtype))
+    self.bias = nnx.Param(jnp.zeros((dout,), param_dtype)) if bias else None
+
+  def __call__(self, x_BxTxI: jax.Array) -> jax.Array:
+    y = jnp.einsum("...i,oi->...o", x_BxTxI, self.weight[...])
+    return y if self.bias is None else y + self.bias[...]
+
+
 def _linear(din, dout, bias, rngs, param_dtype):
-  return nnx.Linear(din, dout, use_bias=bias, param_dtype=param_dtype, dtype=param_dtype,
-                    kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+  return Linear(din, dout, bias=bias, rngs=rngs, param_dtype=param_dtype)
 
 
 class Attention(nnx.Module):
@@ -115,17 +130,18 @@ class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     c = config
     self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-    self.q = _linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, rngs, param_dtype)
-    self.k = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, rngs, param_dtype)
-    self.v = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, rngs, param_dtype)
+    # q, k and v rows stacked in one matrix: one larger matvec per layer is faster when decoding.
+    self.qkv = _linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                       c.attention_bias, rngs, param_dtype)
     self.o = _linear(c.num_heads * c.head_dim, c.hidden_size, False, rngs, param_dtype)
 
   def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, mask_BxTxS, kv_cache, slots_BxT):
     b, t, _ = x_BxTxD.shape
     kh, g, dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-    q_BxTxHxDh = apply_rope(self.q(x_BxTxD).reshape(b, t, kh * g, dh), cos_BxTxDh, sin_BxTxDh)
-    k_BxTxKxDh = apply_rope(self.k(x_BxTxD).reshape(b, t, kh, dh), cos_BxTxDh, sin_BxTxDh)
-    v_BxTxKxDh = self.v(x_BxTxD).reshape(b, t, kh, dh)
+    qkv_BxTxNxDh = self.qkv(x_BxTxD).reshape(b, t, kh * g + 2 * kh, dh)
+    q_BxTxHxDh = apply_rope(qkv_BxTxNxDh[:, :, :kh * g], cos_BxTxDh, sin_BxTxDh)
+    k_BxTxKxDh = apply_rope(qkv_BxTxNxDh[:, :, kh * g:kh * g + kh], cos_BxTxDh, sin_BxTxDh)
+    v_BxTxKxDh = qkv_BxTxNxDh[:, :, kh * g + kh:]
     if kv_cache is not None:
       rows_Bx1 = jnp.arange(b)[:, None]
       k_cache, v_cache = kv_cache
@@ -149,12 +165,12 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     d, f = config.hidden_size, config.intermediate_size
-    self.gate = _linear(d, f, False, rngs, param_dtype)
-    self.up = _linear(d, f, False, rngs, param_dtype)
+    self.gate_up = _linear(d, 2 * f, False, rngs, param_dtype)  # gate rows, then up rows
     self.down = _linear(f, d, False, rngs, param_dtype)
 
   def __call__(self, x):
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+    return self.down(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -198,9 +214,8 @@ class Transformer(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.config = config
-    self.embed = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=param_dtype,
-                           dtype=param_dtype, embedding_init=nnx.initializers.normal(0.02),
-                           rngs=rngs)
+    self.embed = nnx.Param(
+        0.02 * jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size), param_dtype))
     self.layers = nnx.List([DecoderLayer(config, rngs=rngs, param_dtype=param_dtype)
                             for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
@@ -210,7 +225,7 @@ class Transformer(nnx.Module):
   def lm_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
     """Applies the LM head (tied or untied) to top hidden states; fp32 logits."""
     if self.lm_head is None:
-      return self.embed.attend(hidden_BxTxD).astype(jnp.float32)
+      return jnp.einsum("...d,vd->...v", hidden_BxTxD, self.embed[...]).astype(jnp.float32)
     return self.lm_head(hidden_BxTxD).astype(jnp.float32)
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
@@ -218,7 +233,7 @@ class Transformer(nnx.Module):
                num_valid_B: jax.Array | None = None, return_layers: Sequence[int] = (),
                with_logits: bool = True) -> Output:
     b, t = tokens_BxT.shape
-    x_BxTxD = self.embed(tokens_BxT)
+    x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0)
     cos, sin = rope_tables(self.config, positions_BxT, x_BxTxD.dtype)
     if mask_BxTxT is None:
       mask_BxTxT = jnp.broadcast_to(causal_mask(t), (b, t, t))

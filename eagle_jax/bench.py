@@ -1,0 +1,116 @@
+"""``eagle-jax bench decode``: our compiled greedy decode vs transformers, and the memory floor.
+
+Both run the same MT-bench prompts in the same process. The floor is the bytes of weights
+a decode step must read divided by the best read bandwidth measured here (a large fp32
+matrix-vector product in numpy and in JAX, median of repeats; the faster one counts).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.data import load_mtbench
+from eagle_jax.generate import generate
+from eagle_jax.registry import load_model
+
+
+def _median_seconds(fn, repeats: int) -> float:
+  fn()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 20) -> dict[str, float]:
+  """Read bandwidth (GB/s, median of repeats) of an fp32 matrix-vector product far larger
+  than the caches, in numpy (BLAS) and in jitted JAX."""
+  cols = 1024
+  mat = np.random.default_rng(0).standard_normal((nbytes // 4 // cols, cols), dtype=np.float32)
+  vec = np.ones(cols, np.float32)
+  np_gbs = mat.nbytes / _median_seconds(lambda: mat @ vec, repeats) / 1e9
+  jmat, jvec = jnp.asarray(mat), jnp.asarray(vec)
+  matvec = jax.jit(lambda m, v: m @ v)
+  jax_gbs = mat.nbytes / _median_seconds(lambda: matvec(jmat, jvec).block_until_ready(), repeats) / 1e9
+  return {"numpy_matvec_gbs": round(np_gbs, 2), "jax_matvec_gbs": round(jax_gbs, 2),
+          "bandwidth_gbs": round(max(np_gbs, jax_gbs), 2)}
+
+
+def weight_bytes_per_step(model) -> int:
+  """Bytes of parameters read by one decode step (an untied embedding reads one row only)."""
+  total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  return total if model.lm_head is None else total - model.embed.nbytes
+
+
+def _hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  outs, secs = [], []
+  with torch.inference_mode():
+    hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)  # warm-up
+    for p in prompts:
+      ids = torch.tensor([p])
+      t = time.perf_counter()
+      out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                        min_new_tokens=max_new_tokens, do_sample=False)
+      secs.append(time.perf_counter() - t)
+      outs.append(out[0, len(p):].tolist())
+  return outs, secs, torch.__version__, torch.get_num_threads()
+
+
+def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
+                 with_hf: bool = True) -> dict:
+  lm = load_model(model)
+  questions = load_mtbench()[:num_prompts]
+  prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
+  ours, step_ms, tokens = [], [], []
+  for p in prompts:
+    generate(lm.model, [p], max_new_tokens=max_new_tokens, stop_ids=())  # compile + warm
+    generate(lm.model, [p], max_new_tokens=1, stop_ids=())
+    full = generate(lm.model, [p], max_new_tokens=max_new_tokens, stop_ids=())
+    one = generate(lm.model, [p], max_new_tokens=1, stop_ids=())  # prefill + first token
+    ours.append(full.seconds)
+    step_ms.append(1000 * (full.seconds - one.seconds) / (max_new_tokens - 1))
+    tokens.append(full.tokens[0])
+  bw = measure_read_bandwidth()
+  wbytes = weight_bytes_per_step(lm.model)
+  floor_ms = 1000 * wbytes / (bw["bandwidth_gbs"] * 1e9)
+  ms_per_token = statistics.median(step_ms)
+  n_total = max_new_tokens * len(prompts)
+  result = {
+      "eagle_jax_tok_s": round(n_total / sum(ours), 2),
+      "ms_per_token": round(ms_per_token, 2),
+      "ms_per_token_incl_prefill": round(1000 * sum(ours) / n_total, 2),
+      "floor_ms_per_token": round(floor_ms, 2),
+      "ratio_to_floor": round(ms_per_token / floor_ms, 3),
+      "weight_bytes_per_step": wbytes,
+      **bw,
+  }
+  if with_hf:
+    hf_tokens, hf_secs, torch_version, threads = _hf_greedy(lm.folder, prompts, max_new_tokens)
+    result.update({
+        "hf_tok_s": round(n_total / sum(hf_secs), 2),
+        "speedup_vs_hf": round(sum(hf_secs) / sum(ours), 2),
+        "greedy_tokens_match_hf": [a == b for a, b in zip(tokens, hf_tokens)],
+        "torch_version": torch_version, "torch_threads": threads,
+    })
+  result["settings"] = {
+      "model": model, "batch": 1, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+      "prompt_tokens": [len(p) for p in prompts], "dtype": str(lm.model.embed.dtype),
+      "decoding": "greedy, EOS ignored", "jax_version": jax.__version__,
+      "jax_backend": jax.default_backend(), "machine": platform.machine(),
+      "cpu_count": __import__("os").cpu_count(),
+      "ms_per_token_method": "(time for N tokens - time for 1 token) / (N - 1), median over prompts",
+  }
+  return result

