@@ -56,6 +56,7 @@ def _hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
   from transformers import AutoModelForCausalLM
 
   hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  hf.generation_config.eos_token_id = None  # ignore EOS, as our side does: same token counts
   outs, secs = [], []
   with torch.inference_mode():
     hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)  # warm-up
@@ -63,7 +64,7 @@ def _hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
       ids = torch.tensor([p])
       t = time.perf_counter()
       out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                        min_new_tokens=max_new_tokens, do_sample=False)
+                        do_sample=False)
       secs.append(time.perf_counter() - t)
       outs.append(out[0, len(p):].tolist())
   return outs, secs, torch.__version__, torch.get_num_threads()

@@ -1,0 +1,36 @@
+import os
+
+import jax
+import pytest
+from flax import nnx
+
+from eagle_jax.config import tiny_config
+from eagle_jax.model import Transformer
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def smollm():
+  """The real default model (converted once into the eagle_jax cache)."""
+  from eagle_jax.registry import load_model
+
+  return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def tiny():
+  def make(seed=0, **overrides):
+    return Transformer(tiny_config(**overrides), rngs=nnx.Rngs(seed))
+  return make
+
+
+@pytest.fixture(scope="session")
+def mtbench_prompts(smollm):
+  from eagle_jax.data import load_mtbench
+
+  return [smollm.tokenizer.chat_prompt(q.turns[0]) for q in load_mtbench()]
+
+
+def pytest_report_header(config):
+  return f"jax {jax.__version__} backend={jax.default_backend()} EAGLE_JAX_CACHE={os.environ.get('EAGLE_JAX_CACHE', '~/.cache/eagle_jax')}"

@@ -1,0 +1,71 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.generate import generate
+from eagle_jax.sampling import SamplingParams
+
+
+def _teacher_forced_argmax(model, prompt, new):
+  seq = jnp.asarray([list(prompt) + list(new)])
+  logits = model(seq, jnp.arange(seq.shape[1])[None]).logits_BxTxV[0]
+  return np.asarray(jnp.argmax(logits[len(prompt) - 1:-1], -1)).tolist()
+
+
+def test_greedy_equals_teacher_forced_tiny(tiny):
+  model = tiny()
+  prompt = [3, 17, 42, 5, 9]
+  gen = generate(model, [prompt], max_new_tokens=20, stop_ids=())
+  assert gen.num_new == [20]
+  assert gen.tokens[0] == _teacher_forced_argmax(model, prompt, gen.tokens[0])
+
+
+def test_ragged_batch_equals_alone_tiny(tiny):
+  model = tiny()
+  prompts = [[3, 4], [5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]]
+  batch = generate(model, prompts, max_new_tokens=12, stop_ids=())
+  for p, toks in zip(prompts, batch.tokens):
+    assert generate(model, [p], max_new_tokens=12, stop_ids=()).tokens[0] == toks
+
+
+def test_stop_token_ends_row_and_is_kept(tiny):
+  model = tiny()
+  free = generate(model, [[3, 4, 5]], max_new_tokens=10, stop_ids=()).tokens[0]
+  stop = free[3]
+  first = free.index(stop)
+  gen = generate(model, [[3, 4, 5], [3, 4, 5]], max_new_tokens=10, stop_ids=(stop,))
+  assert gen.tokens[0] == free[:first + 1] and gen.num_new == [first + 1] * 2
+
+
+def test_sampling_seeded_and_top_k_one_is_greedy(tiny):
+  model = tiny()
+  p = [[3, 4, 5]]
+  hot = SamplingParams(temperature=1.0)
+  a = generate(model, p, max_new_tokens=16, params=hot, seed=1, stop_ids=()).tokens
+  b = generate(model, p, max_new_tokens=16, params=hot, seed=1, stop_ids=()).tokens
+  c = generate(model, p, max_new_tokens=16, params=hot, seed=2, stop_ids=()).tokens
+  assert a == b and a != c
+  greedy = generate(model, p, max_new_tokens=16, stop_ids=()).tokens
+  top1 = generate(model, p, max_new_tokens=16, params=SamplingParams(1.0, top_k=1), seed=3, stop_ids=())
+  assert top1.tokens == greedy
+
+
+def test_prompt_longer_than_cache(tiny):
+  with pytest.raises(EagleJaxError, match="cache length 16"):
+    generate(tiny(), [list(range(10))], max_new_tokens=8, max_cache_len=16)
+
+
+def test_empty_prompt(tiny):
+  with pytest.raises(EagleJaxError, match="empty prompt"):
+    generate(tiny(), [[]], max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_real_model_greedy_consistency_and_ragged(smollm, mtbench_prompts):
+  """Greedy decode == argmax of a teacher-forced forward; ragged batch rows == alone."""
+  prompts = [mtbench_prompts[i] for i in (0, 10, 20)]
+  batch = generate(smollm.model, prompts, max_new_tokens=24, stop_ids=())
+  for p, toks in zip(prompts, batch.tokens):
+    assert toks == _teacher_forced_argmax(smollm.model, p, toks)
+    assert generate(smollm.model, [p], max_new_tokens=24, stop_ids=()).tokens[0] == toks
