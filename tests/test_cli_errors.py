@@ -1,0 +1,114 @@
+"""User errors: one line on stderr naming the problem, exit code 2, no traceback."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from eagle_jax import cli
+from eagle_jax.registry import REGISTRY
+
+
+def _run_error(capsys, argv):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and err.startswith("eagle-jax: error: "), err
+  assert "Traceback" not in err
+  return err
+
+
+def test_unknown_model_name(capsys):
+  err = _run_error(capsys, ["generate", "--model", "no-such-model", "hi"])
+  assert "unknown model 'no-such-model'" in err and "smollm2-135m-instruct" in err
+
+
+def test_missing_gguf_file(capsys, tmp_path):
+  err = _run_error(capsys, ["generate", "--model", str(tmp_path / "nope.gguf"), "hi"])
+  assert "GGUF file not found" in err
+
+
+def test_folder_without_config(capsys, tmp_path):
+  err = _run_error(capsys, ["generate", "--model", str(tmp_path), "hi"])
+  assert "no config.json" in err
+
+
+def _hf_folder(tmp_path, **cfg):
+  folder = tmp_path / "ckpt"
+  folder.mkdir()
+  base = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+              num_hidden_layers=1, num_attention_heads=2)
+  (folder / "config.json").write_text(json.dumps({**base, **cfg}))
+  return folder
+
+
+def test_unsupported_architecture_in_config(capsys, tmp_path):
+  folder = _hf_folder(tmp_path, model_type="gpt2")
+  err = _run_error(capsys, ["generate", "--model", str(folder), "hi"])
+  assert "unsupported model_type 'gpt2'" in err
+
+
+def test_missing_config_key(capsys, tmp_path):
+  folder = _hf_folder(tmp_path)
+  cfg = json.loads((folder / "config.json").read_text())
+  del cfg["hidden_size"]
+  (folder / "config.json").write_text(json.dumps(cfg))
+  assert "missing required key 'hidden_size'" in _run_error(capsys, ["generate", "--model", str(folder), "hi"])
+
+
+def test_corrupt_safetensors(capsys, tmp_path):
+  folder = _hf_folder(tmp_path)
+  (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+  err = _run_error(capsys, ["generate", "--model", str(folder), "hi"])
+  assert "corrupt safetensors file" in err and "model.safetensors" in err
+
+
+def test_pickle_weights_are_refused(capsys, tmp_path):
+  folder = _hf_folder(tmp_path)
+  (folder / "pytorch_model.bin").write_bytes(b"pickle")
+  assert "pickle .bin weights are not loaded" in _run_error(capsys, ["generate", "--model", str(folder), "hi"])
+
+
+def test_missing_weight(capsys, tmp_path):
+  from safetensors.numpy import save_file
+
+  folder = _hf_folder(tmp_path)
+  save_file({"model.embed_tokens.weight": np.zeros((32, 16), np.float32)}, str(folder / "model.safetensors"))
+  err = _run_error(capsys, ["generate", "--model", str(folder), "hi"])
+  assert "weight 'model.layers.0.input_layernorm.weight' missing" in err
+
+
+def test_truncated_gguf(capsys, tmp_path):
+  src = REGISTRY["smollm2-135m-instruct"].locate()
+  bad = tmp_path / "truncated.gguf"
+  with open(src, "rb") as f:
+    bad.write_bytes(f.read(2_000_000))
+  err = _run_error(capsys, ["generate", "--model", str(bad), "hi"])
+  assert "truncated.gguf" in err and "not a readable GGUF file" in err
+
+
+def test_unsupported_gguf_architecture(capsys, tmp_path):
+  import gguf
+
+  path = tmp_path / "other.gguf"
+  w = gguf.GGUFWriter(str(path), "gpt2")
+  w.add_block_count(1)
+  w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  assert "unsupported GGUF architecture 'gpt2'" in _run_error(capsys, ["generate", "--model", str(path), "hi"])
+
+
+@pytest.mark.slow
+def test_empty_prompt(capsys):
+  assert "empty prompt" in _run_error(capsys, ["generate", "   "])
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_cache(capsys):
+  err = _run_error(capsys, ["generate", "--max-cache-len", "64", "--max-new-tokens", "32",
+                            "Tell me about the history of the Roman Empire in detail."])
+  assert "cache length 64" in err
