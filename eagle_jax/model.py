@@ -135,12 +135,14 @@ class Attention(nnx.Module):
                        c.attention_bias, rngs, param_dtype)
     self.o = _linear(c.num_heads * c.head_dim, c.hidden_size, False, rngs, param_dtype)
 
-  def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, mask_BxTxS, kv_cache, slots_BxT):
+  def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, bias_BxTxS, kv_cache, slots_BxT):
+    """``bias_BxTxS``: 0 where query t may attend slot s, a large negative number elsewhere."""
     b, t, _ = x_BxTxD.shape
     kh, g, dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
     qkv_BxTxNxDh = self.qkv(x_BxTxD).reshape(b, t, kh * g + 2 * kh, dh)
-    q_BxTxHxDh = apply_rope(qkv_BxTxNxDh[:, :, :kh * g], cos_BxTxDh, sin_BxTxDh)
-    k_BxTxKxDh = apply_rope(qkv_BxTxNxDh[:, :, kh * g:kh * g + kh], cos_BxTxDh, sin_BxTxDh)
+    qk_BxTxNxDh = apply_rope(qkv_BxTxNxDh[:, :, :kh * g + kh], cos_BxTxDh, sin_BxTxDh)
+    q_BxTxHxDh = qk_BxTxNxDh[:, :, :kh * g] * (1.0 / math.sqrt(dh))
+    k_BxTxKxDh = qk_BxTxNxDh[:, :, kh * g:]
     v_BxTxKxDh = qkv_BxTxNxDh[:, :, kh * g + kh:]
     if kv_cache is not None:
       rows_Bx1 = jnp.arange(b)[:, None]
@@ -152,9 +154,8 @@ class Attention(nnx.Module):
       k_BxSxKxDh, v_BxSxKxDh, new_kv = k_BxTxKxDh, v_BxTxKxDh, None
     q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, kh, g, dh)
     scores_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh,
-                                  k_BxSxKxDh.astype(q_BxTxKxGxDh.dtype)) / math.sqrt(dh)
-    scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS.astype(jnp.float32),
-                                 jnp.finfo(jnp.float32).min)
+                                  k_BxSxKxDh.astype(q_BxTxKxGxDh.dtype))
+    scores_BxKxGxTxS = scores_BxKxGxTxS.astype(jnp.float32) + bias_BxTxS[:, None, None]
     probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(x_BxTxD.dtype)
     out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh.astype(probs.dtype))
     return self.o(out_BxTxKxGxDh.reshape(b, t, kh * g * dh)), new_kv
@@ -184,9 +185,9 @@ class DecoderLayer(nnx.Module):
     self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
     self.mlp = MLP(config, rngs=rngs, param_dtype=param_dtype)
 
-  def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, kv_cache=None, slots_BxT=None):
+  def __call__(self, x_BxTxD, cos, sin, bias_BxTxS, kv_cache=None, slots_BxT=None):
     h = x_BxTxD if self.input_norm is None else self.input_norm(x_BxTxD)
-    attn_out, new_kv = self.attn(h, cos, sin, mask_BxTxS, kv_cache, slots_BxT)
+    attn_out, new_kv = self.attn(h, cos, sin, bias_BxTxS, kv_cache, slots_BxT)
     x_BxTxD = x_BxTxD + attn_out
     return x_BxTxD + self.mlp(self.post_norm(x_BxTxD)), new_kv
 
@@ -237,13 +238,13 @@ class Transformer(nnx.Module):
     cos, sin = rope_tables(self.config, positions_BxT, x_BxTxD.dtype)
     if mask_BxTxT is None:
       mask_BxTxT = jnp.broadcast_to(causal_mask(t), (b, t, t))
-    mask_BxTxS = attention_mask(cache, mask_BxTxT)
+    bias_BxTxS = jnp.where(attention_mask(cache, mask_BxTxT), 0.0, jnp.finfo(jnp.float32).min)
     slots_BxT = None if cache is None else cache.lengths_B[:, None] + jnp.arange(t)[None, :]
     hiddens = [x_BxTxD]
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x_BxTxD, new_kv = layer(x_BxTxD, cos, sin, mask_BxTxS, kv, slots_BxT)
+      x_BxTxD, new_kv = layer(x_BxTxD, cos, sin, bias_BxTxS, kv, slots_BxT)
       if new_kv is not None:
         new_k.append(new_kv[0])
         new_v.append(new_kv[1])
