@@ -1,0 +1,8 @@
+"""Drafters: everything that proposes tokens for the target to verify, behind one protocol."""
+
+from eagle_jax.drafters.base import Accepted, Draft, Drafter
+from eagle_jax.drafters.draft_model import DraftModelDrafter, self_draft_model
+from eagle_jax.drafters.pld import PromptLookupDrafter
+
+__all__ = ["Accepted", "Draft", "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
+           "self_draft_model"]

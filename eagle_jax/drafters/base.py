@@ -1,0 +1,56 @@
+"""The drafter protocol: pure functions over pytrees, so the speculative loop jits whole.
+
+A drafter object holds only static, hashable settings (it is a jit static argument); its
+weights travel separately as ``dparams`` and its per-sequence state as a pytree.
+
+Each step: ``propose`` returns a :class:`Draft` (N nodes below the root), the target verifies
+it, and ``update`` receives what was emitted (:class:`Accepted`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax
+import jax
+
+
+@flax.struct.dataclass
+class Draft:
+  """N drafted nodes (tree slots 1..N; slot 0 is the root)."""
+
+  tokens_BxN: jax.Array
+  parents_BxN: jax.Array  # parent slot (0 = root), smaller than the node's own slot
+  valid_BxN: jax.Array  # bool; invalid nodes are padding and never accepted
+  q_BxNxV: jax.Array | None  # distribution each node was drawn from; None = deterministic draft
+
+
+@flax.struct.dataclass
+class Accepted:
+  """What one verify step emitted for each row.
+
+  ``tokens_BxK[:, :count]`` are the accepted draft tokens followed by the target's bonus
+  token (the next root). ``features_BxKxD[:, i]`` is the target's top hidden state at the
+  position just before ``tokens_BxK[:, i]`` (root, then each accepted node). ``count_B`` is
+  0 for rows that have finished.
+  """
+
+  tokens_BxK: jax.Array
+  count_B: jax.Array
+  features_BxKxD: jax.Array
+
+
+class Drafter(Protocol):
+  num_nodes: int  # N, the static node budget per step
+  max_depth: int  # deepest node, bounds the accepted path
+
+  def init(self, dparams: Any, prompt_BxP: jax.Array, lengths_B: jax.Array,
+           features_BxPxD: jax.Array, first_B: jax.Array, cache_len: int) -> Any:
+    """State after the target's prefill; ``first_B`` is the first emitted token (the root)."""
+
+  def propose(self, dparams: Any, state: Any, root_B: jax.Array, key: jax.Array,
+              params) -> tuple[Draft, Any]:
+    ...
+
+  def update(self, dparams: Any, state: Any, accepted: Accepted) -> Any:
+    ...

@@ -1,0 +1,208 @@
+"""The compiled speculative loop: draft -> verify -> update in one ``lax.while_loop``.
+
+Every drafter plugs into the same verify step (:mod:`eagle_jax.verify`), so acceptance figures
+are comparable and outputs are the target's. Statistics per step and row: the number of
+accepted draft tokens (-1 once the row has finished) and the depth that was drafted.
+
+Counting convention: **tau** = tokens emitted per target verify pass, *including* the target's
+bonus token (accepted drafts + 1), averaged over verify passes; the prefill pass that emits
+the first token is not counted. **n-alpha** = P(draft token at depth n accepted | depths
+1..n-1 accepted and a depth-n token was drafted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.drafters.base import Accepted, Draft
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.generate import BUCKET, pad_prompts, prefill, _is_stop
+from eagle_jax.model import KVCache, Transformer
+from eagle_jax.sampling import SamplingParams, sample
+from eagle_jax.tree import tree_structure
+from eagle_jax.verify import commit, verify
+
+
+@dataclasses.dataclass
+class SpecGeneration:
+  tokens: list[list[int]]
+  num_new: list[int]
+  accepted: list[list[int]]  # per row: accepted draft tokens at each verify step
+  drafted_depth: list[list[int]]  # per row: deepest drafted node at each verify step
+  seconds: float
+  compile_seconds: float
+
+  @property
+  def tokens_per_s(self) -> float:
+    return sum(self.num_new) / max(self.seconds, 1e-9)
+
+  @property
+  def tau(self) -> float:
+    steps = [a for row in self.accepted for a in row]
+    return float(np.mean(steps) + 1) if steps else float("nan")
+
+  def n_alpha(self, max_n: int | None = None) -> list[float]:
+    return acceptance_rates(self.accepted, self.drafted_depth, max_n)
+
+
+def acceptance_rates(accepted, drafted, max_n=None) -> list[float]:
+  """n-alpha for n = 1..max_n from per-step accepted counts and drafted depths."""
+  acc = np.array([a for row in accepted for a in row], np.int64)
+  dep = np.array([d for row in drafted for d in row], np.int64)
+  max_n = max_n or (int(dep.max()) if dep.size else 0)
+  out = []
+  for n in range(1, max_n + 1):
+    tried = ((acc >= n - 1) & (dep >= n)).sum()
+    out.append(float(((acc >= n) & (dep >= n)).sum() / tried) if tried else float("nan"))
+  return out
+
+
+@flax.struct.dataclass
+class _SpecState:
+  cache: KVCache
+  root_B: jax.Array
+  out_BxN: jax.Array
+  num_new_B: jax.Array
+  done_B: jax.Array
+  step: jax.Array
+  key: jax.Array
+  dstate: Any
+  accepted_BxS: jax.Array
+  depth_BxS: jax.Array
+
+
+def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth):
+  """One target forward over [root, draft nodes] and the verdict; returns what was emitted."""
+  b, n = draft.tokens_BxN.shape
+  tokens_BxM = jnp.concatenate([root_B[:, None], draft.tokens_BxN], 1)
+  parents_BxM = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), draft.parents_BxN], 1)
+  valid_BxM = jnp.concatenate([jnp.ones((b, 1), bool), draft.valid_BxN], 1)
+  mask_BxMxM, depth_BxM = tree_structure(parents_BxM, valid_BxM)
+  out = model(tokens_BxM, cache.lengths_B[:, None] + depth_BxM, cache, mask_BxTxT=mask_BxMxM,
+              num_valid_B=jnp.zeros((b,), jnp.int32))
+  q = None
+  if draft.q_BxNxV is not None:
+    q = jnp.concatenate([jnp.zeros_like(draft.q_BxNxV[:, :1]), draft.q_BxNxV], 1)
+  verdict = verify(out.logits_BxTxV, tokens_BxM, parents_BxM, valid_BxM, q, key, params, max_depth)
+  d = verdict.path_BxD.shape[1]
+  a_B = verdict.num_accepted_B
+  path_tokens = jnp.take_along_axis(tokens_BxM, verdict.path_BxD, 1)
+  emitted_BxK = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], 1)
+  emitted_BxK = jnp.where(jnp.arange(d + 1)[None] < a_B[:, None], emitted_BxK, 0)
+  emitted_BxK = emitted_BxK.at[jnp.arange(b), a_B].set(verdict.bonus_B)
+  slots_BxK = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path_BxD], 1)
+  features_BxKxD = jnp.take_along_axis(out.hidden_BxTxD, slots_BxK[:, :, None], 1)
+  depth_drafted_B = jnp.max(jnp.where(valid_BxM, depth_BxM, 0), axis=1)
+  return out.cache, verdict, emitted_BxK, features_BxKxD, depth_drafted_B
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "max_new_tokens", "cache_len",
+                                             "params", "stop_ids", "pad_id"))
+def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, max_new_tokens,
+              cache_len, params, stop_ids, pad_id):
+  model = nnx.merge(graphdef, state)
+  b = tokens_BxP.shape[0]
+  d = max(drafter.max_depth, 1)
+  cache = KVCache.init(model.config, b, cache_len, model.embed.dtype)
+  out, logits_BxV = prefill(model, tokens_BxP, lengths_B, cache)
+  key, sub = jax.random.split(key)
+  first_B = sample(sub, logits_BxV, params)
+  dstate = drafter.init(dparams, tokens_BxP, lengths_B, out.hidden_BxTxD, first_B, cache_len)
+  s = _SpecState(
+      cache=out.cache, root_B=first_B,
+      out_BxN=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_B),
+      num_new_B=jnp.ones((b,), jnp.int32),
+      done_B=_is_stop(first_B, stop_ids) | (max_new_tokens <= 1),
+      step=jnp.int32(0), key=key, dstate=dstate,
+      accepted_BxS=jnp.full((b, max_new_tokens), -1, jnp.int32),
+      depth_BxS=jnp.zeros((b, max_new_tokens), jnp.int32))
+
+  def cond(s):
+    return ~jnp.all(s.done_B)
+
+  def body(s):
+    key, k_draft, k_verify = jax.random.split(s.key, 3)
+    draft, dstate = drafter.propose(dparams, s.dstate, s.root_B, k_draft, params)
+    active_B = ~s.done_B
+    has_draft = jnp.any(draft.valid_BxN & active_B[:, None])
+    empty = jax.tree.map(lambda x: x[:, :0], draft)
+    cache, verdict, emitted_BxK, feats, depth_B = jax.lax.cond(
+        has_draft,
+        lambda: _target_pass(model, s.cache, s.root_B, draft, k_verify, params, d),
+        lambda: _target_pass(model, s.cache, s.root_B, empty, k_verify, params, d))
+    committed = commit(cache, verdict)
+    cache = committed.replace(lengths_B=jnp.where(active_B, committed.lengths_B, s.cache.lengths_B))
+    k = emitted_BxK.shape[1]
+    count_B = verdict.num_accepted_B + 1
+    # stop at the first stop token and at max_new_tokens
+    idx_K = jnp.arange(k)[None, :]
+    is_stop_BxK = _is_stop(emitted_BxK, stop_ids) & (idx_K < count_B[:, None])
+    first_stop_B = jnp.where(is_stop_BxK.any(1), jnp.argmax(is_stop_BxK, 1) + 1, k + 1)
+    keep_B = jnp.minimum(jnp.minimum(count_B, first_stop_B), max_new_tokens - s.num_new_B)
+    keep_B = jnp.where(active_B, keep_B, 0)
+    dst = jnp.where(idx_K < keep_B[:, None], s.num_new_B[:, None] + idx_K, max_new_tokens)
+    out_BxN = s.out_BxN.at[jnp.arange(b)[:, None], dst].set(emitted_BxK, mode="drop")
+    num_new_B = s.num_new_B + keep_B
+    done_B = s.done_B | (first_stop_B <= count_B) | (num_new_B >= max_new_tokens)
+    accepted = Accepted(tokens_BxK=emitted_BxK, count_B=jnp.where(active_B, count_B, 0),
+                        features_BxKxD=feats)
+    dstate = drafter.update(dparams, dstate, accepted)
+    step_col = jnp.minimum(s.step, max_new_tokens - 1)
+    return _SpecState(
+        cache=cache, root_B=verdict.bonus_B, out_BxN=out_BxN, num_new_B=num_new_B, done_B=done_B,
+        step=s.step + 1, key=key, dstate=dstate,
+        accepted_BxS=s.accepted_BxS.at[:, step_col].set(
+            jnp.where(active_B, verdict.num_accepted_B, -1)),
+        depth_BxS=s.depth_BxS.at[:, step_col].set(jnp.where(active_B, depth_B, 0)))
+
+  s = jax.lax.while_loop(cond, body, s)
+  return s.out_BxN, s.num_new_B, s.accepted_BxS, s.depth_BxS
+
+
+_COMPILED: dict = {}
+
+
+def speculative_generate(model: Transformer, drafter, dparams, prompts: Sequence[Sequence[int]], *,
+                         max_new_tokens: int = 128, params: SamplingParams = SamplingParams(),
+                         seed: int = 0, stop_ids: Sequence[int] | None = None,
+                         max_cache_len: int | None = None, pad_id: int = 0) -> SpecGeneration:
+  """Speculative decoding of each prompt; output distributed exactly as :func:`generate`'s."""
+  if max_new_tokens < 1:
+    raise EagleJaxError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  limit = max_cache_len or model.config.max_position_embeddings
+  tokens_BxP, lengths_B = pad_prompts(prompts, pad_id=pad_id)
+  slack = 2 * (drafter.num_nodes + 1)  # the last step's tree and accepted path
+  need = int(lengths_B.max()) + max_new_tokens + slack
+  if need > limit:
+    raise EagleJaxError(
+        f"prompt of {int(lengths_B.max())} tokens plus max_new_tokens={max_new_tokens} and a "
+        f"{drafter.num_nodes}-node draft needs {need} cache slots, more than the cache length {limit}")
+  cache_len = min(tokens_BxP.shape[1] + -(-(max_new_tokens + slack) // BUCKET) * BUCKET, limit)
+  stop = tuple(model.config.eos_token_ids if stop_ids is None else stop_ids)
+  graphdef, state = nnx.split(model)
+  args = (state, dparams, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
+  statics = dict(graphdef=graphdef, drafter=drafter, max_new_tokens=max_new_tokens,
+                 cache_len=cache_len, params=params, stop_ids=stop, pad_id=pad_id)
+  shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args[:4]))
+  cache_key = (jax.tree.structure(args[:2]), shapes, tuple(sorted(statics.items(), key=lambda kv: kv[0])))
+  t0 = time.perf_counter()
+  if cache_key not in _COMPILED:
+    _COMPILED[cache_key] = _spec_jit.lower(*args, **statics).compile()
+  t1 = time.perf_counter()
+  out = jax.block_until_ready(_COMPILED[cache_key](*args))
+  t2 = time.perf_counter()
+  out_BxN, num_new_B, acc_BxS, dep_BxS = (np.asarray(x) for x in out)
+  acc = [[int(a) for a in row if a >= 0] for row in acc_BxS]
+  dep = [[int(d) for d, a in zip(drow, arow) if a >= 0] for drow, arow in zip(dep_BxS, acc_BxS)]
+  return SpecGeneration(tokens=[out_BxN[i, :n].tolist() for i, n in enumerate(num_new_B)],
+                        num_new=num_new_B.tolist(), accepted=acc, drafted_depth=dep,
+                        seconds=t2 - t1, compile_seconds=t1 - t0)
