@@ -29,7 +29,7 @@ from eagle_jax.generate import BUCKET, pad_prompts, prefill, _is_stop
 from eagle_jax.model import KVCache, Transformer
 from eagle_jax.sampling import SamplingParams, sample
 from eagle_jax.tree import tree_structure
-from eagle_jax.verify import commit, verify
+from eagle_jax.verify import Verdict, commit, verify
 
 
 @dataclasses.dataclass
@@ -76,17 +76,32 @@ class _SpecState:
   step: jax.Array
   key: jax.Array
   dstate: Any
+  draft: Draft  # proposed for the next step
   accepted_BxS: jax.Array
   depth_BxS: jax.Array
 
 
 def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth):
-  """One target forward over [root, draft nodes] and the verdict; returns what was emitted."""
+  """One target forward over [root, draft nodes], the verdict, and the committed cache.
+
+  Returns the cache with the accepted path committed, the verdict, the emitted tokens
+  (accepted drafts then the bonus), the target features before each emitted token, and the
+  depth drafted per row.
+  """
   b, n = draft.tokens_BxN.shape
   tokens_BxM = jnp.concatenate([root_B[:, None], draft.tokens_BxN], 1)
   parents_BxM = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), draft.parents_BxN], 1)
   valid_BxM = jnp.concatenate([jnp.ones((b, 1), bool), draft.valid_BxN], 1)
   mask_BxMxM, depth_BxM = tree_structure(parents_BxM, valid_BxM)
+  if n == 0:  # nothing drafted: a plain decode step, no tree bookkeeping
+    out = model(root_B[:, None], cache.lengths_B[:, None], cache)
+    bonus_B = sample(key, out.logits_BxTxV[:, 0], params)
+    verdict = Verdict(path_BxD=jnp.zeros((b, max_depth), jnp.int32),
+                      num_accepted_B=jnp.zeros((b,), jnp.int32), bonus_B=bonus_B)
+    emitted_BxK = jnp.zeros((b, max_depth + 1), jnp.int32).at[:, 0].set(bonus_B)
+    features_BxKxD = jnp.zeros((b, max_depth + 1, out.hidden_BxTxD.shape[-1]),
+                               out.hidden_BxTxD.dtype).at[:, 0].set(out.hidden_BxTxD[:, 0])
+    return out.cache, verdict, emitted_BxK, features_BxKxD, jnp.zeros((b,), jnp.int32)
   out = model(tokens_BxM, cache.lengths_B[:, None] + depth_BxM, cache, mask_BxTxT=mask_BxMxM,
               num_valid_B=jnp.zeros((b,), jnp.int32))
   q = None
@@ -102,7 +117,7 @@ def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth):
   slots_BxK = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path_BxD], 1)
   features_BxKxD = jnp.take_along_axis(out.hidden_BxTxD, slots_BxK[:, :, None], 1)
   depth_drafted_B = jnp.max(jnp.where(valid_BxM, depth_BxM, 0), axis=1)
-  return out.cache, verdict, emitted_BxK, features_BxKxD, depth_drafted_B
+  return commit(out.cache, verdict), verdict, emitted_BxK, features_BxKxD, depth_drafted_B
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "max_new_tokens", "cache_len",
@@ -117,30 +132,25 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
   key, sub = jax.random.split(key)
   first_B = sample(sub, logits_BxV, params)
   dstate = drafter.init(dparams, tokens_BxP, lengths_B, out.hidden_BxTxD, first_B, cache_len)
+  key, k_draft = jax.random.split(key)
+  draft, dstate = drafter.propose(dparams, dstate, first_B, k_draft, params)
   s = _SpecState(
       cache=out.cache, root_B=first_B,
       out_BxN=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_B),
       num_new_B=jnp.ones((b,), jnp.int32),
       done_B=_is_stop(first_B, stop_ids) | (max_new_tokens <= 1),
-      step=jnp.int32(0), key=key, dstate=dstate,
+      step=jnp.int32(0), key=key, dstate=dstate, draft=draft,
       accepted_BxS=jnp.full((b, max_new_tokens), -1, jnp.int32),
       depth_BxS=jnp.zeros((b, max_new_tokens), jnp.int32))
 
-  def cond(s):
-    return ~jnp.all(s.done_B)
-
-  def body(s):
+  def step(s: _SpecState, use_draft: bool) -> _SpecState:
+    """Verify ``s.draft`` (or, without it, a plain decode step), emit, update, draft again."""
     key, k_draft, k_verify = jax.random.split(s.key, 3)
-    draft, dstate = drafter.propose(dparams, s.dstate, s.root_B, k_draft, params)
     active_B = ~s.done_B
-    has_draft = jnp.any(draft.valid_BxN & active_B[:, None])
-    empty = jax.tree.map(lambda x: x[:, :0], draft)
-    cache, verdict, emitted_BxK, feats, depth_B = jax.lax.cond(
-        has_draft,
-        lambda: _target_pass(model, s.cache, s.root_B, draft, k_verify, params, d),
-        lambda: _target_pass(model, s.cache, s.root_B, empty, k_verify, params, d))
-    committed = commit(cache, verdict)
-    cache = committed.replace(lengths_B=jnp.where(active_B, committed.lengths_B, s.cache.lengths_B))
+    draft = s.draft if use_draft else jax.tree.map(lambda x: x[:, :0], s.draft)
+    cache, verdict, emitted_BxK, feats, depth_B = _target_pass(
+        model, s.cache, s.root_B, draft, k_verify, params, d)
+    cache = cache.replace(lengths_B=jnp.where(active_B, cache.lengths_B, s.cache.lengths_B))
     k = emitted_BxK.shape[1]
     count_B = verdict.num_accepted_B + 1
     # stop at the first stop token and at max_new_tokens
@@ -155,14 +165,28 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
     done_B = s.done_B | (first_stop_B <= count_B) | (num_new_B >= max_new_tokens)
     accepted = Accepted(tokens_BxK=emitted_BxK, count_B=jnp.where(active_B, count_B, 0),
                         features_BxKxD=feats)
-    dstate = drafter.update(dparams, dstate, accepted)
+    dstate = drafter.update(dparams, s.dstate, accepted)
+    next_draft, dstate = drafter.propose(dparams, dstate, verdict.bonus_B, k_draft, params)
     step_col = jnp.minimum(s.step, max_new_tokens - 1)
     return _SpecState(
         cache=cache, root_B=verdict.bonus_B, out_BxN=out_BxN, num_new_B=num_new_B, done_B=done_B,
-        step=s.step + 1, key=key, dstate=dstate,
+        step=s.step + 1, key=key, dstate=dstate, draft=next_draft,
         accepted_BxS=s.accepted_BxS.at[:, step_col].set(
             jnp.where(active_B, verdict.num_accepted_B, -1)),
         depth_BxS=s.depth_BxS.at[:, step_col].set(jnp.where(active_B, depth_B, 0)))
+
+  def cond(s):
+    return ~jnp.all(s.done_B)
+
+  def no_draft(s):
+    return cond(s) & ~jnp.any(s.draft.valid_BxN & ~s.done_B[:, None])
+
+  def body(s):
+    # Plain decode steps while no active row has a draft (an inner loop rather than a
+    # lax.cond per step, which would copy the cache), then one verify step. If every row
+    # finished in the inner loop, that verify step changes nothing (all rows are masked).
+    s = jax.lax.while_loop(no_draft, lambda s: step(s, use_draft=False), s)
+    return step(s, use_draft=True)
 
   s = jax.lax.while_loop(cond, body, s)
   return s.out_BxN, s.num_new_B, s.accepted_BxS, s.depth_BxS

@@ -1,0 +1,147 @@
+"""The speculative loop: greedy output equals vanilla for every drafter; sampling is lossless."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from eagle_jax.config import tiny_config
+from eagle_jax.drafters import DraftModelDrafter, PromptLookupDrafter, self_draft_model
+from eagle_jax.drafters.base import Draft
+from eagle_jax.generate import generate
+from eagle_jax.model import Transformer
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.speculative import acceptance_rates, speculative_generate
+from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomTreeDrafter:
+  """Proposes random tokens in a static tree: a worst-case draft (stateless, deterministic)."""
+
+  tree: TreeSpec
+  vocab: int
+
+  @property
+  def num_nodes(self):
+    return self.tree.num_nodes
+
+  @property
+  def max_depth(self):
+    return self.tree.max_depth
+
+  def init(self, dparams, prompt_BxP, lengths_B, features_BxPxD, first_B, cache_len):
+    return jnp.zeros(())
+
+  def propose(self, dparams, state, root_B, key, params):
+    b, n = root_B.shape[0], self.num_nodes
+    # distinct siblings: rank r of a node's parent's candidates -> (hash + r) mod vocab
+    base = jax.random.randint(key, (b, n + 1), 0, self.vocab)
+    parents = jnp.asarray(self.tree.parents[1:])
+    tokens = (base[:, parents] + jnp.asarray(self.tree.ranks[1:])) % self.vocab
+    return Draft(tokens_BxN=tokens, parents_BxN=jnp.broadcast_to(parents, (b, n)),
+                 valid_BxN=jnp.ones((b, n), bool), q_BxNxV=None), state
+
+  def update(self, dparams, state, accepted):
+    return state
+
+
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9, 10, 11, 12, 7, 8, 9], [20, 21], [30, 31, 32, 33, 30]]
+
+
+def _drafters(target):
+  other = Transformer(tiny_config(), rngs=nnx.Rngs(7))  # a different (bad) draft model
+  return {
+      "pld": (PromptLookupDrafter(gamma=4, max_ngram=2), None),
+      "draft-model": DraftModelDrafter.create(other, gamma=3),
+      "self-draft": DraftModelDrafter.create(self_draft_model(target, 1), gamma=3),
+      "random-tree": (RandomTreeDrafter(TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES), 128), None),
+  }
+
+
+@pytest.mark.parametrize("name", ["pld", "draft-model", "self-draft", "random-tree"])
+@pytest.mark.parametrize("stop", [(), (5,)])
+def test_greedy_equals_vanilla_tiny(tiny, name, stop):
+  target = tiny()
+  drafter, dparams = _drafters(target)[name]
+  ref = generate(target, PROMPTS, max_new_tokens=30, stop_ids=stop)
+  ragged = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=30, stop_ids=stop)
+  assert ragged.tokens == ref.tokens and ragged.num_new == ref.num_new
+  alone = speculative_generate(target, drafter, dparams, PROMPTS[1:2], max_new_tokens=30, stop_ids=stop)
+  assert alone.tokens[0] == ref.tokens[1]
+
+
+def test_target_drafting_for_itself_accepts_everything(tiny):
+  target = tiny()
+  drafter, dparams = DraftModelDrafter.create(target, gamma=4)
+  gen = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=41, stop_ids=())
+  assert all(a == 4 for row in gen.accepted for a in row)
+  assert gen.tau == 5.0 and gen.n_alpha() == [1.0] * 4
+  assert gen.tokens == generate(target, PROMPTS, max_new_tokens=41, stop_ids=()).tokens
+
+
+def test_acceptance_rates_counting():
+  # steps: accepted 2 of depth 3, accepted 0 of depth 3, accepted 3 of 3, nothing drafted
+  rates = acceptance_rates([[2, 0, 3, 0]], [[3, 3, 3, 0]])
+  assert rates == [2 / 3, 2 / 2, 1 / 2]
+
+
+def _two_sample_chi2(a, b, cells):
+  ca, cb = np.bincount(a, minlength=cells), np.bincount(b, minlength=cells)
+  keep = (ca + cb) >= 10
+  na, nb = ca.sum(), cb.sum()
+  ca, cb = ca[keep], cb[keep]
+  chi2 = ((np.sqrt(nb / na) * ca - np.sqrt(na / nb) * cb) ** 2 / (ca + cb)).sum()
+  return chi2, keep.sum() - 1
+
+
+@pytest.mark.parametrize("name", ["draft-model", "self-draft", "target", "pld"])
+def test_sampling_end_to_end_matches_vanilla(name):
+  """Sampled continuations (tokens 2-3) of a tiny model: spec vs vanilla, two-sample chi-square."""
+  vocab = 12
+  target = Transformer(tiny_config(vocab_size=vocab), rngs=nnx.Rngs(0))
+  drafters = {
+      "draft-model": DraftModelDrafter.create(Transformer(tiny_config(vocab_size=vocab), rngs=nnx.Rngs(3)), 3),
+      "self-draft": DraftModelDrafter.create(self_draft_model(target, 1), 2),
+      "target": DraftModelDrafter.create(target, 2),
+      "pld": (PromptLookupDrafter(gamma=3, max_ngram=1), None),
+  }
+  drafter, dparams = drafters[name]
+  params = SamplingParams(temperature=1.0, top_k=8)
+  n = 6000
+  prompts = [[1, 2, 3, 1, 2]] * n
+  ref = generate(target, prompts, max_new_tokens=3, params=params, seed=1, stop_ids=())
+  spec = speculative_generate(target, drafter, dparams, prompts, max_new_tokens=3, params=params,
+                              seed=2, stop_ids=())
+  pair = lambda g: np.array([t[1] * vocab + t[2] for t in g.tokens])
+  chi2, dof = _two_sample_chi2(pair(ref), pair(spec), vocab * vocab)
+  # 99.99th percentile of chi-square(dof) is below dof + 4.5 * sqrt(2 dof) + 10 for these sizes
+  assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+  assert spec.tau > 1.0 or name == "pld"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pld", "self-draft", "draft-model"])
+def test_real_model_greedy_lossless_20_prompts(smollm, mtbench_prompts, name):
+  """20 MT-bench prompts, batch 1 and ragged batches of 4: identical to vanilla greedy."""
+  target = smollm.model
+  if name == "pld":
+    drafter, dparams = PromptLookupDrafter(gamma=8, max_ngram=3), None
+  elif name == "self-draft":
+    drafter, dparams = DraftModelDrafter.create(self_draft_model(target, 6), gamma=3)
+  else:  # an untrained random draft model sharing the tokenizer: the worst honest draft
+    cfg = tiny_config(vocab_size=target.config.vocab_size, hidden_size=64, num_layers=2)
+    drafter, dparams = DraftModelDrafter.create(Transformer(cfg, rngs=nnx.Rngs(0)), gamma=3)
+  prompts = mtbench_prompts[::4][:20]
+  vanilla = [generate(target, [p], max_new_tokens=48).tokens[0] for p in prompts]
+  taus = []
+  for i in range(0, 20, 4):
+    batch = speculative_generate(target, drafter, dparams, prompts[i:i + 4], max_new_tokens=48)
+    assert batch.tokens == vanilla[i:i + 4]
+    taus.append(batch.tau)
+  for i in range(0, 20, 5):
+    assert speculative_generate(target, drafter, dparams, [prompts[i]], max_new_tokens=48).tokens[0] == vanilla[i]
+  assert min(taus) >= 1.0
