@@ -10,28 +10,44 @@ from eagle_jax.errors import EagleJaxError
 
 
 def _cmd_generate(args) -> None:
+  from eagle_jax.drafters.factory import DrafterOptions, make_drafter
   from eagle_jax.generate import generate
   from eagle_jax.registry import load_model
   from eagle_jax.sampling import SamplingParams
+  from eagle_jax.speculative import speculative_generate
 
   params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
   if not args.message.strip():
     raise EagleJaxError("empty prompt: give a non-empty user message")
   lm = load_model(args.model)
   prompt = lm.tokenizer.chat_prompt(args.message)
-  gen = generate(lm.model, [prompt], max_new_tokens=args.max_new_tokens, params=params,
-                 seed=args.seed, max_cache_len=args.max_cache_len)
+  options = DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
+                           pld_max_ngram=args.pld_max_ngram, draft_model=args.drafter_ckpt,
+                           self_draft_layers=args.self_draft_layers)
+  drafter, dparams = make_drafter(args.drafter, lm.model, options)
+  common = dict(max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
+                max_cache_len=args.max_cache_len)
+  if drafter is None:
+    gen = generate(lm.model, [prompt], **common)
+  else:
+    gen = speculative_generate(lm.model, drafter, dparams, [prompt], **common)
   text = lm.tokenizer.decode(gen.tokens[0])
+  stats = {}
+  if drafter is not None:
+    stats = {"tau": round(gen.tau, 4), "n_alpha": [None if a != a else round(a, 4) for a in gen.n_alpha()],
+             "target_passes": len(gen.accepted[0]),
+             "tau_counts": "tokens per target verify pass, bonus token included, prefill excluded"}
   if args.json:
-    print(json.dumps({"model": args.model, "prompt_tokens": len(prompt), "token_ids": gen.tokens[0],
-                      "text": text, "new_tokens": gen.num_new[0],
+    print(json.dumps({"model": args.model, "drafter": args.drafter, "prompt_tokens": len(prompt),
+                      "token_ids": gen.tokens[0], "text": text, "new_tokens": gen.num_new[0],
                       "tokens_per_s": round(gen.tokens_per_s, 3), "seconds": round(gen.seconds, 4),
-                      "compile_seconds": round(gen.compile_seconds, 3),
+                      "compile_seconds": round(gen.compile_seconds, 3), **stats,
                       "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                       "seed": args.seed}))
   else:
     print(text)
-    print(f"[{gen.num_new[0]} tokens, {gen.tokens_per_s:.1f} tokens/s, "
+    extra = f", tau {stats['tau']:.2f}" if stats else ""
+    print(f"[{gen.num_new[0]} tokens, {gen.tokens_per_s:.1f} tokens/s{extra}, "
           f"compile {gen.compile_seconds:.1f} s]", file=sys.stderr)
 
 
@@ -43,6 +59,20 @@ def _cmd_bench_decode(args) -> None:
   print(json.dumps(result, indent=None if args.json else 2))
 
 
+def _cmd_bench_spec(args) -> None:
+  from eagle_jax.bench_spec import bench_spec
+  from eagle_jax.drafters.factory import DrafterOptions
+
+  options = DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
+                           pld_max_ngram=args.pld_max_ngram, draft_model=args.drafter_ckpt,
+                           self_draft_layers=args.self_draft_layers)
+  methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+  result = bench_spec(model=args.model, methods=methods, num_prompts=args.num_prompts,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      options=options, with_hf=not args.no_hf)
+  print(json.dumps(result, indent=None if args.json else 2))
+
+
 def _cmd_demo(args) -> None:
   from eagle_jax.demo import run_demo
 
@@ -50,6 +80,7 @@ def _cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from eagle_jax.drafters.factory import DRAFTERS
   from eagle_jax.registry import DEFAULT_MODEL
 
   p = argparse.ArgumentParser(prog="eagle-jax", description="Speculative decoding in JAX/Flax.")
@@ -65,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--max-cache-len", type=int, default=None, help="default: model context length")
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+  g.add_argument("--drafter", default="vanilla", choices=DRAFTERS,
+                 help="speculative drafter (vanilla = plain decoding)")
+  g.add_argument("--gamma", type=int, default=0, help="draft length (0 = drafter default)")
+  g.add_argument("--pld-min-ngram", type=int, default=2)
+  g.add_argument("--pld-max-ngram", type=int, default=3)
+  g.add_argument("--drafter-ckpt", default=None,
+                 help="draft-model: registered name, HF folder or .gguf sharing the tokenizer")
+  g.add_argument("--self-draft-layers", type=int, default=0,
+                 help="self-draft: target layers used as the draft (0 = a third)")
   g.set_defaults(func=_cmd_generate)
 
   b = sub.add_parser("bench", help="benchmarks (JSON output)")
@@ -76,6 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
   bd.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
   bd.add_argument("--json", action="store_true", help="compact single-line JSON")
   bd.set_defaults(func=_cmd_bench_decode)
+
+  bs = bsub.add_parser("spec", help="drafters vs vanilla: tau, n-alpha, speedup, verify cost")
+  bs.add_argument("--model", default=DEFAULT_MODEL)
+  bs.add_argument("--methods", default="vanilla,pld,self-draft",
+                  help=f"comma-separated, vanilla first; from: {', '.join(DRAFTERS)}")
+  bs.add_argument("--num-prompts", type=int, default=16)
+  bs.add_argument("--max-new-tokens", type=int, default=128)
+  bs.add_argument("--temperature", type=float, default=0.0)
+  bs.add_argument("--gamma", type=int, default=0)
+  bs.add_argument("--pld-min-ngram", type=int, default=2)
+  bs.add_argument("--pld-max-ngram", type=int, default=3)
+  bs.add_argument("--drafter-ckpt", default=None)
+  bs.add_argument("--self-draft-layers", type=int, default=0)
+  bs.add_argument("--no-hf", action="store_true", help="skip transformers' greedy / prompt lookup")
+  bs.add_argument("--json", action="store_true", help="compact single-line JSON")
+  bs.set_defaults(func=_cmd_bench_spec)
 
   d = sub.add_parser("demo", help="chat answers to a few MT-bench questions")
   d.add_argument("--model", default=DEFAULT_MODEL)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.drafters.base import Accepted, Draft
+from eagle_jax.errors import EagleJaxError
 
 
 @flax.struct.dataclass
@@ -27,6 +28,11 @@ class PromptLookupDrafter:
   gamma: int = 8  # chain length
   max_ngram: int = 3
   min_ngram: int = 1
+
+  def __post_init__(self):
+    if self.gamma < 1 or not 1 <= self.min_ngram <= self.max_ngram:
+      raise EagleJaxError(f"prompt lookup needs gamma >= 1 and 1 <= min_ngram <= max_ngram; got "
+                          f"gamma={self.gamma}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram}")
 
   @property
   def num_nodes(self) -> int:

@@ -1,0 +1,177 @@
+"""``eagle-jax bench spec``: every drafter on the same MT-bench prompts, in one run.
+
+Reports per method tokens/s, speedup over our vanilla decode, tau (tokens per target pass,
+bonus included), n-alpha, per-category figures, whether greedy outputs equal vanilla's, the
+measured verify-cost curve (ms per target pass for 1..64 tree nodes) and the speedup predicted
+from measured acceptance and cost with the i.i.d. formula E = (1 - a^(g+1)) / (1 - a).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.data import load_mtbench
+from eagle_jax.drafters.factory import DrafterOptions, make_drafter
+from eagle_jax.generate import generate
+from eagle_jax.model import KVCache
+from eagle_jax.registry import load_model
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.speculative import acceptance_rates, speculative_generate
+
+
+def verify_cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 192, repeats: int = 10):
+  """Median ms of one target forward over ``n`` tree nodes after a ``prefix``-token cache."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def forward(state, tokens, cache):
+    m = nnx.merge(graphdef, state)
+    t = tokens.shape[1]
+    out = m(tokens, cache.lengths_B[:, None] + jnp.arange(t)[None], cache,
+            num_valid_B=jnp.zeros((1,), jnp.int32))
+    return jnp.argmax(out.logits_BxTxV, -1), out.cache
+
+  curve = {}
+  for n in sizes:
+    cache = KVCache.init(model.config, 1, prefix + 64 + n, model.embed.dtype)
+    cache = cache.replace(lengths_B=jnp.array([prefix], jnp.int32))
+    tokens = jnp.ones((1, n), jnp.int32)
+    jax.block_until_ready(forward(state, tokens, cache))
+    times = []
+    for _ in range(repeats):
+      t = time.perf_counter()
+      jax.block_until_ready(forward(state, tokens, cache))
+      times.append(time.perf_counter() - t)
+    curve[n] = round(1000 * statistics.median(times), 2)
+  return curve
+
+
+def _interp(curve: dict[int, float], n: float) -> float:
+  xs = sorted(curve)
+  return float(np.interp(n, xs, [curve[x] for x in xs]))
+
+
+def _pick_questions(num_prompts: int):
+  by_cat = collections.defaultdict(list)
+  for q in load_mtbench():
+    by_cat[q.category].append(q)
+  per = max(1, -(-num_prompts // len(by_cat)))
+  picked = [q for qs in by_cat.values() for q in qs[:per]]
+  return picked[:num_prompts]
+
+
+def _predicted_speedup(accepted, drafted, gamma, curve, draft_ms):
+  """Speedup predicted by the i.i.d. acceptance formula from measured acceptance and costs."""
+  acc = np.array([a for row in accepted for a in row])
+  dep = np.array([d for row in drafted for d in row])
+  has = dep > 0
+  if not has.any():
+    return 1.0, 0.0
+  tried = np.minimum(acc[has] + 1, dep[has]).sum()
+  alpha = float(acc[has].sum() / tried)
+  g = float(np.mean(dep[has]))
+  expected = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1
+  frac = float(has.mean())
+  tokens = frac * expected + (1 - frac)
+  cost = frac * (_interp(curve, g + 1) + draft_ms) + (1 - frac) * curve[1]
+  return tokens * curve[1] / cost, alpha
+
+
+def _hf_prompt_lookup(folder, prompts, max_new_tokens):
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  hf.generation_config.eos_token_id = None
+  out = {}
+  with torch.inference_mode():
+    for name, extra in [("hf_greedy", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10})]:
+      hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, **extra)
+      t = time.perf_counter()
+      for p in prompts:
+        ids = torch.tensor([p])
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                    do_sample=False, **extra)
+      out[name] = round(len(prompts) * max_new_tokens / (time.perf_counter() - t), 2)
+  return out
+
+
+def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts: int = 16,
+               max_new_tokens: int = 128, temperature: float = 0.0,
+               options: DrafterOptions = DrafterOptions(), with_hf: bool = True) -> dict:
+  lm = load_model(model)
+  target = lm.model
+  questions = _pick_questions(num_prompts)
+  prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
+  params = SamplingParams(temperature=temperature)
+  curve = verify_cost_curve(target)
+  results, vanilla_tokens = {}, None
+  for name in methods:
+    drafter, dparams = make_drafter(name, target, options)
+    if drafter is None:
+      run = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
+    else:
+      run = lambda p, n, d=drafter, dp=dparams: speculative_generate(
+          target, d, dp, [p], max_new_tokens=n, params=params, stop_ids=())
+    seen = set()
+    for p in prompts:  # compile every prompt-length bucket before timing
+      if len(p) // 64 not in seen:
+        seen.add(len(p) // 64)
+        run(p, max_new_tokens)
+    gens = [run(p, max_new_tokens) for p in prompts]
+    secs = sum(g.seconds for g in gens)
+    tokens = [g.tokens[0] for g in gens]
+    row = {"tokens_per_s": round(sum(g.num_new[0] for g in gens) / secs, 2), "seconds": round(secs, 3)}
+    cats = collections.defaultdict(list)
+    for q, g in zip(questions, gens):
+      cats[q.category].append(g)
+    if drafter is None:
+      vanilla_tokens, vanilla_secs = tokens, {c: sum(g.seconds for g in gs) for c, gs in cats.items()}
+      vanilla_total = secs
+      row["per_category"] = {c: {"tokens_per_s": round(sum(g.num_new[0] for g in gs) / vanilla_secs[c], 2)}
+                             for c, gs in cats.items()}
+    else:
+      accepted = [g.accepted[0] for g in gens]
+      drafted = [g.drafted_depth[0] for g in gens]
+      gamma = drafter.max_depth
+      draft_ms = 0.0
+      if name in ("self-draft", "draft-model"):  # cost estimate: gamma steps of the draft
+        draft_layers = dparams and len(nnx.merge(drafter.graphdef, dparams).layers)
+        draft_ms = gamma * curve[1] * draft_layers / target.config.num_layers
+      predicted, alpha = _predicted_speedup(accepted, drafted, gamma, curve, draft_ms)
+      row.update({
+          "speedup": round(vanilla_total / secs, 3) if vanilla_tokens else None,
+          "tau": round(float(np.mean([a for r in accepted for a in r]) + 1), 3),
+          "n_alpha": [None if a != a else round(a, 3) for a in acceptance_rates(accepted, drafted, gamma)],
+          "alpha_iid": round(alpha, 3), "predicted_speedup": round(predicted, 3),
+          "draft_ms_estimate": round(draft_ms, 2),
+          "greedy_matches_vanilla": None if vanilla_tokens is None or temperature > 0 else sum(
+              a == b for a, b in zip(tokens, vanilla_tokens)),
+          "per_category": {c: {
+              "tokens_per_s": round(sum(g.num_new[0] for g in gs) / sum(g.seconds for g in gs), 2),
+              "speedup": round(vanilla_secs[c] / sum(g.seconds for g in gs), 3) if vanilla_tokens else None,
+              "tau": round(float(np.mean([a for g in gs for a in g.accepted[0]]) + 1), 3)}
+              for c, gs in cats.items()},
+      })
+    results[name] = row
+  out = {"methods": results, "verify_cost_ms": curve}
+  if with_hf:
+    out["transformers_tok_s"] = _hf_prompt_lookup(lm.folder, prompts, max_new_tokens)
+  out["settings"] = {
+      "model": model, "prompts": f"MT-bench first turns, {len(prompts)} questions, "
+      f"{-(-len(prompts) // 8)} per category", "max_new_tokens": max_new_tokens,
+      "temperature": temperature, "batch": 1, "eos": "ignored (fixed length)",
+      "options": {k: v for k, v in vars(options).items()},
+      "tau": "tokens per target verify pass, bonus token included, prefill excluded",
+      "speedup": "our vanilla seconds / method seconds, same prompts, same run",
+      "predicted_speedup": "i.i.d. formula with the measured per-position acceptance, the verify "
+      "cost curve, and a draft cost of 0 (pld) or gamma x (draft layers / target layers) x c(1)",
+      "jax_version": jax.__version__, "backend": jax.default_backend()}
+  return out
