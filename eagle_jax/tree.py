@@ -71,6 +71,28 @@ class TreeSpec:
     return np.array([0] + [len(c) for c in self.choices], np.int32)
 
   @property
+  def ancestor_mask(self) -> np.ndarray:
+    """``[M, M]`` bool: slot i sees slot j (j is i, the root or an ancestor of i)."""
+    parents, m = self.parents, self.num_nodes + 1
+    mask = np.eye(m, dtype=bool)
+    for i in range(1, m):
+      mask[i] |= mask[parents[i]]
+    return mask
+
+  @property
+  def paths(self) -> np.ndarray:
+    """``[M, max_depth]`` slots on the path root -> slot (excluding the root), -1 padded."""
+    out = np.full((self.num_nodes + 1, max(self.max_depth, 1)), -1, np.int32)
+    parents = self.parents
+    for i in range(1, self.num_nodes + 1):
+      chain, j = [], i
+      while j > 0:
+        chain.append(j)
+        j = parents[j]
+      out[i, :len(chain)] = chain[::-1]
+    return out
+
+  @property
   def max_depth(self) -> int:
     return max((len(c) for c in self.choices), default=0)
 
