@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec, tree_structure
+from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, MEDUSA_DEFAULT_CHOICES, TreeSpec, tree_structure
 
 
 def test_eagle_default_tree_buffers():
@@ -45,3 +45,9 @@ def test_chain():
 def test_bad_choices(choices):
   with pytest.raises(EagleJaxError):
     TreeSpec(tuple(choices))
+
+
+def test_medusa_default_tree():
+  tree = TreeSpec.from_choices(MEDUSA_DEFAULT_CHOICES)
+  assert tree.num_nodes == 63 and tree.max_depth == 4
+  assert tree.ancestor_mask.sum() == (tree.depths + 1).sum()
