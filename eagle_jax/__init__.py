@@ -7,8 +7,25 @@ from eagle_jax.registry import DEFAULT_MODEL, LoadedModel, load_model
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.generate import Generation, generate
 
+
+
+def clear_caches() -> None:
+  """Drops compiled executables (ours and JAX's), e.g. between long runs of many shapes."""
+  import gc
+
+  import jax
+
+  from eagle_jax import generate as _generate_module
+  from eagle_jax import speculative as _speculative_module
+
+  _generate_module._COMPILED.clear()
+  _speculative_module._COMPILED.clear()
+  jax.clear_caches()
+  gc.collect()
+
+
 __all__ = [
-    "DEFAULT_MODEL", "EagleJaxError", "Generation", "KVCache", "LoadedModel", "ModelConfig",
+    "DEFAULT_MODEL", "EagleJaxError", "clear_caches", "Generation", "KVCache", "LoadedModel", "ModelConfig",
     "Output", "RopeScaling", "SamplingParams", "Transformer", "generate", "load_model",
     "tiny_config",
 ]

@@ -10,6 +10,15 @@ from eagle_jax.model import Transformer
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Each test module compiles many real-size programs; drop them afterwards (memory)."""
+  yield
+  import eagle_jax
+
+  eagle_jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def smollm():
   """The real default model (converted once into the eagle_jax cache)."""
