@@ -12,14 +12,14 @@ from eagle_jax.generate import Generation, generate
 def clear_caches() -> None:
   """Drops compiled executables (ours and JAX's), e.g. between long runs of many shapes."""
   import gc
+  import sys
 
   import jax
 
-  from eagle_jax import generate as _generate_module
-  from eagle_jax import speculative as _speculative_module
+  import eagle_jax.speculative  # noqa: F401  (registers the module)
 
-  _generate_module._COMPILED.clear()
-  _speculative_module._COMPILED.clear()
+  for name in ("eagle_jax.generate", "eagle_jax.speculative"):
+    sys.modules[name]._COMPILED.clear()
   jax.clear_caches()
   gc.collect()
 
