@@ -120,39 +120,52 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
   the longest prompt plus ``max_new_tokens``; ``max_cache_len`` (default: the model's
   context length) bounds it.
   """
-  if max_new_tokens < 1:
-    raise EagleJaxError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  config = model.config
-  limit = max_cache_len or config.max_position_embeddings
-  tokens_BxP, lengths_B = pad_prompts(prompts, pad_id=pad_id)
-  need = int(lengths_B.max()) + max_new_tokens
-  if need > limit:
-    raise EagleJaxError(
-        f"prompt of {int(lengths_B.max())} tokens plus max_new_tokens={max_new_tokens} needs "
-        f"{need} cache slots, more than the cache length {limit}")
-  cache_len = min(tokens_BxP.shape[1] + -(-max_new_tokens // BUCKET) * BUCKET, limit)
-  stop = tuple(config.eos_token_ids if stop_ids is None else stop_ids)
+  tokens_BxP, lengths_B, cache_len, stop = prepare_prompts(
+      model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id)
   graphdef, state = nnx.split(model)
   args = (state, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
   statics = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, cache_len=cache_len,
                  params=params, stop_ids=stop, pad_id=pad_id)
-  t0 = time.perf_counter()
-  compiled = _compiled(args, statics)
-  t1 = time.perf_counter()
-  out_BxN, num_new_B = jax.block_until_ready(compiled(*args))
-  t2 = time.perf_counter()
-  out_BxN, num_new_B = np.asarray(out_BxN), np.asarray(num_new_B)
+  (out_BxN, num_new_B), compile_s, run_s = run_compiled(_generate_jit, args, statics)
   return Generation(tokens=[out_BxN[i, :n].tolist() for i, n in enumerate(num_new_B)],
-                    num_new=num_new_B.tolist(), seconds=t2 - t1, compile_seconds=t1 - t0)
+                    num_new=num_new_B.tolist(), seconds=run_s, compile_seconds=compile_s)
+
+
+def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_len: int | None,
+                    stop_ids, pad_id: int, draft_nodes: int = 0):
+  """Validates a decoding request; returns padded prompts, lengths, cache length, stop ids.
+
+  The cache holds the longest prompt, ``max_new_tokens`` and, for speculative decoding,
+  room for the last step's tree and accepted path (``2 * (draft_nodes + 1)`` slots).
+  """
+  if max_new_tokens < 1:
+    raise EagleJaxError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  limit = max_cache_len or model.config.max_position_embeddings
+  tokens_BxP, lengths_B = pad_prompts(prompts, pad_id=pad_id)
+  extra = 2 * (draft_nodes + 1) if draft_nodes else 0
+  need = int(lengths_B.max()) + max_new_tokens + extra
+  if need > limit:
+    draft = f" and a {draft_nodes}-node draft" if draft_nodes else ""
+    raise EagleJaxError(
+        f"prompt of {int(lengths_B.max())} tokens plus max_new_tokens={max_new_tokens}{draft} "
+        f"needs {need} cache slots, more than the cache length {limit}")
+  cache_len = min(tokens_BxP.shape[1] + -(-(max_new_tokens + extra) // BUCKET) * BUCKET, limit)
+  stop = tuple(model.config.eos_token_ids if stop_ids is None else stop_ids)
+  return tokens_BxP, lengths_B, cache_len, stop
 
 
 _COMPILED: dict = {}
 
 
-def _compiled(args, statics):
-  """Ahead-of-time compiles once per (shapes, settings) so runs can be timed without compile."""
-  shapes = jax.tree.map(lambda a: (a.shape, a.dtype), args[:3])
-  key = (jax.tree.structure(args[0]), tuple(jax.tree.leaves(shapes)), tuple(sorted(statics.items())))
+def run_compiled(jitted, args, statics: dict):
+  """Compiles ``jitted`` ahead of time once per (function, argument shapes, statics), then runs
+  it; returns (numpy outputs, compile seconds, run seconds) so runs are timed without compile."""
+  shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args))
+  key = (jitted, jax.tree.structure(args), shapes, tuple(sorted(statics.items())))
+  t0 = time.perf_counter()
   if key not in _COMPILED:
-    _COMPILED[key] = _generate_jit.lower(*args, **statics).compile()
-  return _COMPILED[key]
+    _COMPILED[key] = jitted.lower(*args, **statics).compile()
+  t1 = time.perf_counter()
+  out = jax.block_until_ready(_COMPILED[key](*args))
+  t2 = time.perf_counter()
+  return jax.tree.map(np.asarray, out), t1 - t0, t2 - t1

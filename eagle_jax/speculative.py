@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any, Sequence
 
 import flax
@@ -24,8 +23,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.drafters.base import Accepted, Draft
-from eagle_jax.errors import EagleJaxError
-from eagle_jax.generate import BUCKET, pad_prompts, prefill, _is_stop
+from eagle_jax.generate import _is_stop, prefill, prepare_prompts, run_compiled
 from eagle_jax.model import KVCache, Transformer
 from eagle_jax.sampling import SamplingParams, sample
 from eagle_jax.tree import tree_structure
@@ -192,41 +190,21 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
   return s.out_BxN, s.num_new_B, s.accepted_BxS, s.depth_BxS
 
 
-_COMPILED: dict = {}
-
 
 def speculative_generate(model: Transformer, drafter, dparams, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: int = 128, params: SamplingParams = SamplingParams(),
                          seed: int = 0, stop_ids: Sequence[int] | None = None,
                          max_cache_len: int | None = None, pad_id: int = 0) -> SpecGeneration:
   """Speculative decoding of each prompt; output distributed exactly as :func:`generate`'s."""
-  if max_new_tokens < 1:
-    raise EagleJaxError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  limit = max_cache_len or model.config.max_position_embeddings
-  tokens_BxP, lengths_B = pad_prompts(prompts, pad_id=pad_id)
-  slack = 2 * (drafter.num_nodes + 1)  # the last step's tree and accepted path
-  need = int(lengths_B.max()) + max_new_tokens + slack
-  if need > limit:
-    raise EagleJaxError(
-        f"prompt of {int(lengths_B.max())} tokens plus max_new_tokens={max_new_tokens} and a "
-        f"{drafter.num_nodes}-node draft needs {need} cache slots, more than the cache length {limit}")
-  cache_len = min(tokens_BxP.shape[1] + -(-(max_new_tokens + slack) // BUCKET) * BUCKET, limit)
-  stop = tuple(model.config.eos_token_ids if stop_ids is None else stop_ids)
+  tokens_BxP, lengths_B, cache_len, stop = prepare_prompts(
+      model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id, draft_nodes=drafter.num_nodes)
   graphdef, state = nnx.split(model)
   args = (state, dparams, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
   statics = dict(graphdef=graphdef, drafter=drafter, max_new_tokens=max_new_tokens,
                  cache_len=cache_len, params=params, stop_ids=stop, pad_id=pad_id)
-  shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args[:4]))
-  cache_key = (jax.tree.structure(args[:2]), shapes, tuple(sorted(statics.items(), key=lambda kv: kv[0])))
-  t0 = time.perf_counter()
-  if cache_key not in _COMPILED:
-    _COMPILED[cache_key] = _spec_jit.lower(*args, **statics).compile()
-  t1 = time.perf_counter()
-  out = jax.block_until_ready(_COMPILED[cache_key](*args))
-  t2 = time.perf_counter()
-  out_BxN, num_new_B, acc_BxS, dep_BxS = (np.asarray(x) for x in out)
+  (out_BxN, num_new_B, acc_BxS, dep_BxS), compile_s, run_s = run_compiled(_spec_jit, args, statics)
   acc = [[int(a) for a in row if a >= 0] for row in acc_BxS]
   dep = [[int(d) for d, a in zip(drow, arow) if a >= 0] for drow, arow in zip(dep_BxS, acc_BxS)]
   return SpecGeneration(tokens=[out_BxN[i, :n].tolist() for i, n in enumerate(num_new_B)],
                         num_new=num_new_B.tolist(), accepted=acc, drafted_depth=dep,
-                        seconds=t2 - t1, compile_seconds=t1 - t0)
+                        seconds=run_s, compile_seconds=compile_s)
