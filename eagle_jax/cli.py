@@ -10,7 +10,7 @@ from eagle_jax.errors import EagleJaxError
 
 
 def _cmd_generate(args) -> None:
-  from eagle_jax.drafters.factory import DrafterOptions, make_drafter
+  from eagle_jax.drafters.factory import make_drafter
   from eagle_jax.generate import generate
   from eagle_jax.registry import load_model
   from eagle_jax.sampling import SamplingParams
@@ -21,10 +21,7 @@ def _cmd_generate(args) -> None:
     raise EagleJaxError("empty prompt: give a non-empty user message")
   lm = load_model(args.model)
   prompt = lm.tokenizer.chat_prompt(args.message)
-  options = DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
-                           pld_max_ngram=args.pld_max_ngram, draft_model=args.drafter_ckpt,
-                           self_draft_layers=args.self_draft_layers)
-  drafter, dparams = make_drafter(args.drafter, lm.model, options)
+  drafter, dparams = make_drafter(args.drafter, lm.model, _drafter_options(args))
   common = dict(max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
                 max_cache_len=args.max_cache_len)
   if drafter is None:
@@ -61,11 +58,8 @@ def _cmd_bench_decode(args) -> None:
 
 def _cmd_bench_spec(args) -> None:
   from eagle_jax.bench_spec import bench_spec
-  from eagle_jax.drafters.factory import DrafterOptions
 
-  options = DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
-                           pld_max_ngram=args.pld_max_ngram, draft_model=args.drafter_ckpt,
-                           self_draft_layers=args.self_draft_layers)
+  options = _drafter_options(args)
   methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
   result = bench_spec(model=args.model, methods=methods, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -77,6 +71,24 @@ def _cmd_demo(args) -> None:
   from eagle_jax.demo import run_demo
 
   run_demo(model=args.model, num_questions=args.num_questions, max_new_tokens=args.max_new_tokens)
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--gamma", type=int, default=0, help="draft length (0 = drafter default)")
+  p.add_argument("--pld-min-ngram", type=int, default=2)
+  p.add_argument("--pld-max-ngram", type=int, default=3)
+  p.add_argument("--drafter-ckpt", default=None,
+                 help="draft-model: registered name, HF folder or .gguf sharing the tokenizer")
+  p.add_argument("--self-draft-layers", type=int, default=0,
+                 help="self-draft: target layers used as the draft (0 = a third)")
+
+
+def _drafter_options(args):
+  from eagle_jax.drafters.factory import DrafterOptions
+
+  return DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
+                        pld_max_ngram=args.pld_max_ngram, draft_model=args.drafter_ckpt,
+                        self_draft_layers=args.self_draft_layers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,13 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
   g.add_argument("--drafter", default="vanilla", choices=DRAFTERS,
                  help="speculative drafter (vanilla = plain decoding)")
-  g.add_argument("--gamma", type=int, default=0, help="draft length (0 = drafter default)")
-  g.add_argument("--pld-min-ngram", type=int, default=2)
-  g.add_argument("--pld-max-ngram", type=int, default=3)
-  g.add_argument("--drafter-ckpt", default=None,
-                 help="draft-model: registered name, HF folder or .gguf sharing the tokenizer")
-  g.add_argument("--self-draft-layers", type=int, default=0,
-                 help="self-draft: target layers used as the draft (0 = a third)")
+  _add_drafter_args(g)
   g.set_defaults(func=_cmd_generate)
 
   b = sub.add_parser("bench", help="benchmarks (JSON output)")
@@ -124,11 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
   bs.add_argument("--num-prompts", type=int, default=16)
   bs.add_argument("--max-new-tokens", type=int, default=128)
   bs.add_argument("--temperature", type=float, default=0.0)
-  bs.add_argument("--gamma", type=int, default=0)
-  bs.add_argument("--pld-min-ngram", type=int, default=2)
-  bs.add_argument("--pld-max-ngram", type=int, default=3)
-  bs.add_argument("--drafter-ckpt", default=None)
-  bs.add_argument("--self-draft-layers", type=int, default=0)
+  _add_drafter_args(bs)
   bs.add_argument("--no-hf", action="store_true", help="skip transformers' greedy / prompt lookup")
   bs.add_argument("--json", action="store_true", help="compact single-line JSON")
   bs.set_defaults(func=_cmd_bench_spec)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import flax
 import jax
+import jax.numpy as jnp
 
 
 @flax.struct.dataclass
@@ -38,6 +39,23 @@ class Accepted:
   tokens_BxK: jax.Array
   count_B: jax.Array
   features_BxKxD: jax.Array
+
+
+class ChainDrafter:
+  """Mixin for drafters that propose a chain of ``gamma`` nodes (node i's parent is slot i)."""
+
+  gamma: int
+
+  @property
+  def num_nodes(self) -> int:
+    return self.gamma
+
+  @property
+  def max_depth(self) -> int:
+    return self.gamma
+
+  def chain_parents(self, batch: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(self.gamma, dtype=jnp.int32), (batch, self.gamma))
 
 
 class Drafter(Protocol):

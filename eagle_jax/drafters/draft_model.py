@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.checkpoints import abstract_model
-from eagle_jax.drafters.base import Accepted, Draft
+from eagle_jax.drafters.base import Accepted, ChainDrafter, Draft
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model import KVCache, Transformer
 from eagle_jax.sampling import probabilities, sample
@@ -46,7 +46,7 @@ def self_draft_model(target: Transformer, num_layers: int) -> Transformer:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelDrafter:
+class DraftModelDrafter(ChainDrafter):
   """Drafts a chain of ``gamma`` tokens with ``graphdef`` (weights passed as ``dparams``)."""
 
   graphdef: nnx.GraphDef
@@ -61,14 +61,6 @@ class DraftModelDrafter:
       raise EagleJaxError(f"gamma must be >= 1, got {gamma}")
     graphdef, state = nnx.split(draft)
     return cls(graphdef=graphdef, gamma=gamma), state
-
-  @property
-  def num_nodes(self) -> int:
-    return self.gamma
-
-  @property
-  def max_depth(self) -> int:
-    return self.gamma
 
   def init(self, dparams, prompt_BxP, lengths_B, features_BxPxD, first_B, cache_len):
     model = nnx.merge(self.graphdef, dparams)
@@ -96,7 +88,7 @@ class DraftModelDrafter:
       if not params.greedy:
         qs.append(probabilities(logits_BxV, params))
     draft = Draft(tokens_BxN=jnp.stack(tokens, 1),
-                  parents_BxN=jnp.broadcast_to(jnp.arange(self.gamma, dtype=jnp.int32), (b, self.gamma)),
+                  parents_BxN=self.chain_parents(b),
                   valid_BxN=jnp.ones((b, self.gamma), bool),
                   q_BxNxV=None if params.greedy else jnp.stack(qs, 1))
     # entries for drafts 1..gamma-1 are in the cache beyond the committed length

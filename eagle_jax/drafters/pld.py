@@ -13,7 +13,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.drafters.base import Accepted, Draft
+from eagle_jax.drafters.base import Accepted, ChainDrafter, Draft
 from eagle_jax.errors import EagleJaxError
 
 
@@ -24,7 +24,7 @@ class PLDState:
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookupDrafter:
+class PromptLookupDrafter(ChainDrafter):
   gamma: int = 8  # chain length
   max_ngram: int = 3
   min_ngram: int = 1
@@ -33,14 +33,6 @@ class PromptLookupDrafter:
     if self.gamma < 1 or not 1 <= self.min_ngram <= self.max_ngram:
       raise EagleJaxError(f"prompt lookup needs gamma >= 1 and 1 <= min_ngram <= max_ngram; got "
                           f"gamma={self.gamma}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram}")
-
-  @property
-  def num_nodes(self) -> int:
-    return self.gamma
-
-  @property
-  def max_depth(self) -> int:
-    return self.gamma
 
   def init(self, dparams, prompt_BxP, lengths_B, features_BxPxD, first_B, cache_len):
     b, p = prompt_BxP.shape
@@ -74,7 +66,7 @@ class PromptLookupDrafter:
                        state.history_BxH.shape[1] - 1)
     tokens = jnp.take_along_axis(state.history_BxH, idx_BxN, axis=1)
     draft = Draft(tokens_BxN=tokens,
-                  parents_BxN=jnp.broadcast_to(jnp.arange(self.gamma, dtype=jnp.int32), (b, self.gamma)),
+                  parents_BxN=self.chain_parents(b),
                   valid_BxN=jnp.arange(self.gamma)[None, :] < count_B[:, None], q_BxNxV=None)
     return draft, state
 
