@@ -6,6 +6,9 @@ from eagle_jax.model import KVCache, Output, Transformer
 from eagle_jax.registry import DEFAULT_MODEL, LoadedModel, load_model
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.generate import Generation, generate
+from eagle_jax.speculative import SpecGeneration, speculative_generate
+from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
+from eagle_jax.pipeline import TrainConfig, load_head, run_training
 
 
 
@@ -22,7 +25,8 @@ def clear_caches() -> None:
 
 
 __all__ = [
-    "DEFAULT_MODEL", "EagleJaxError", "clear_caches", "Generation", "KVCache", "LoadedModel", "ModelConfig",
-    "Output", "RopeScaling", "SamplingParams", "Transformer", "generate", "load_model",
-    "tiny_config",
+    "DEFAULT_MODEL", "EagleHead", "EagleHeadConfig", "EagleJaxError", "clear_caches", "Generation",
+    "KVCache", "LoadedModel", "ModelConfig", "Output", "RopeScaling", "SamplingParams",
+    "SpecGeneration", "TrainConfig", "Transformer", "generate", "load_head", "load_model",
+    "run_training", "speculative_generate", "tiny_config",
 ]

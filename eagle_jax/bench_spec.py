@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.data import load_mtbench
-from eagle_jax.drafters.factory import DrafterOptions, make_drafter
+from eagle_jax.drafters.factory import EAGLE_VERSION, DrafterOptions, find_checkpoint, make_drafter
 from eagle_jax.generate import generate
 from eagle_jax.model import KVCache
 from eagle_jax.registry import load_model
@@ -111,10 +111,10 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
   questions = _pick_questions(num_prompts)
   prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
   params = SamplingParams(temperature=temperature)
-  curve = verify_cost_curve(target)
+  curve = verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 26, 32, 64))
   results, vanilla_tokens = {}, None
   for name in methods:
-    drafter, dparams = make_drafter(name, target, options)
+    drafter, dparams = make_drafter(name, target, options, model)
     if drafter is None:
       run = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
     else:
@@ -146,12 +146,23 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
         draft_layers = dparams and len(nnx.merge(drafter.graphdef, dparams).layers)
         draft_ms = gamma * curve[1] * draft_layers / target.config.num_layers
       predicted, alpha = _predicted_speedup(accepted, drafted, gamma, curve, draft_ms)
+      if name in EAGLE_VERSION:  # measured draft cost, measured tau, verify cost of the tree
+        from eagle_jax.budget import draft_cost_ms
+
+        draft_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
+        tau = float(np.mean([a for r in accepted for a in r]) + 1)
+        predicted = tau * curve[1] / (_interp(curve, drafter.num_nodes + 1) + draft_ms)
+        row["checkpoint"] = options.draft_model or find_checkpoint(name, options.runs_dir, model)
+        row["tree"] = (f"static {drafter.num_nodes} nodes, depth {drafter.max_depth}"
+                       if drafter.tree is not None else
+                       f"dynamic top_k={drafter.top_k} depth={drafter.depth} "
+                       f"total_tokens={drafter.total_tokens}")
       row.update({
           "speedup": round(vanilla_total / secs, 3) if vanilla_tokens else None,
           "tau": round(float(np.mean([a for r in accepted for a in r]) + 1), 3),
           "n_alpha": [None if a != a else round(a, 3) for a in acceptance_rates(accepted, drafted, gamma)],
           "alpha_iid": round(alpha, 3), "predicted_speedup": round(predicted, 3),
-          "draft_ms_estimate": round(draft_ms, 2),
+          "draft_ms": round(draft_ms, 2),
           "greedy_matches_vanilla": None if vanilla_tokens is None or temperature > 0 else sum(
               a == b for a, b in zip(tokens, vanilla_tokens)),
           "per_category": {c: {
@@ -172,6 +183,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
       "tau": "tokens per target verify pass, bonus token included, prefill excluded",
       "speedup": "our vanilla seconds / method seconds, same prompts, same run",
       "predicted_speedup": "i.i.d. formula with the measured per-position acceptance, the verify "
-      "cost curve, and a draft cost of 0 (pld) or gamma x (draft layers / target layers) x c(1)",
+      "cost curve, and a draft cost of 0 (pld) or gamma x (draft layers / target layers) x c(1); "
+      "eagle rows: measured tau x c(1) / (c(nodes + 1) + timed draft propose/update)",
       "jax_version": jax.__version__, "backend": jax.default_backend()}
   return out

@@ -21,7 +21,7 @@ def _cmd_generate(args) -> None:
     raise EagleJaxError("empty prompt: give a non-empty user message")
   lm = load_model(args.model)
   prompt = lm.tokenizer.chat_prompt(args.message)
-  drafter, dparams = make_drafter(args.drafter, lm.model, _drafter_options(args))
+  drafter, dparams = make_drafter(args.drafter, lm.model, _drafter_options(args), args.model)
   common = dict(max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
                 max_cache_len=args.max_cache_len)
   if drafter is None:
@@ -67,6 +67,22 @@ def _cmd_bench_spec(args) -> None:
   print(json.dumps(result, indent=None if args.json else 2))
 
 
+def _cmd_train(args) -> None:
+  from eagle_jax.pipeline import run_training
+
+  print(json.dumps(run_training(args.config, args.overrides)))
+
+
+def _cmd_tune(args) -> None:
+  from eagle_jax.pipeline import TuneConfig, TrainConfig, tune_run
+  from eagle_jax.registry import load_model
+
+  lm = load_model(args.model)
+  cfg = TrainConfig(name="tune", drafter="eagle1", tune=TuneConfig(prompts=args.prompts))
+  result = tune_run(args.checkpoint, lm, cfg)
+  print(json.dumps({k: v for k, v in result.items() if k != "by_depth"}))
+
+
 def _cmd_demo(args) -> None:
   from eagle_jax.demo import run_demo
 
@@ -78,7 +94,12 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--pld-min-ngram", type=int, default=2)
   p.add_argument("--pld-max-ngram", type=int, default=3)
   p.add_argument("--drafter-ckpt", default=None,
-                 help="draft-model: registered name, HF folder or .gguf sharing the tokenizer")
+                 help="draft-model: registered name, HF folder or .gguf sharing the tokenizer; "
+                 "eagle1/2/3: a trained run folder or its final/ (default: best in --runs-dir)")
+  p.add_argument("--runs-dir", default="runs", help="where trained drafters are found")
+  p.add_argument("--top-k-tree", type=int, default=0, help="eagle2/3 dynamic tree: nodes expanded per depth")
+  p.add_argument("--depth", type=int, default=0, help="eagle2/3 dynamic tree depth")
+  p.add_argument("--total-tokens", type=int, default=0, help="eagle2/3 dynamic tree node budget")
   p.add_argument("--self-draft-layers", type=int, default=0,
                  help="self-draft: target layers used as the draft (0 = a third)")
 
@@ -88,7 +109,8 @@ def _drafter_options(args):
 
   return DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
                         pld_max_ngram=args.pld_max_ngram, draft_model=args.drafter_ckpt,
-                        self_draft_layers=args.self_draft_layers)
+                        self_draft_layers=args.self_draft_layers, top_k=args.top_k_tree,
+                        depth=args.depth, total_tokens=args.total_tokens, runs_dir=args.runs_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
   bs.add_argument("--no-hf", action="store_true", help="skip transformers' greedy / prompt lookup")
   bs.add_argument("--json", action="store_true", help="compact single-line JSON")
   bs.set_defaults(func=_cmd_bench_spec)
+
+  t = sub.add_parser("train", help="extract target features and train a drafter (resumable)")
+  t.add_argument("config", help="training config YAML, e.g. configs/train/eagle1-quick.yaml")
+  t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-4")
+  t.set_defaults(func=_cmd_train)
+
+  tu = sub.add_parser("tune", help="pick an EAGLE-2 tree budget for this machine")
+  tu.add_argument("checkpoint", help="trained run folder or its final/")
+  tu.add_argument("--model", default=DEFAULT_MODEL)
+  tu.add_argument("--prompts", type=int, default=4)
+  tu.set_defaults(func=_cmd_tune)
 
   d = sub.add_parser("demo", help="chat answers to a few MT-bench questions")
   d.add_argument("--model", default=DEFAULT_MODEL)

@@ -36,6 +36,7 @@ class SpecGeneration:
   num_new: list[int]
   accepted: list[list[int]]  # per row: accepted draft tokens at each verify step
   drafted_depth: list[list[int]]  # per row: deepest drafted node at each verify step
+  accepted_slots: list[list[tuple[int, ...]]]  # per row and step: tree slots of the accepted path
   seconds: float
   compile_seconds: float
 
@@ -77,9 +78,15 @@ class _SpecState:
   draft: Draft  # proposed for the next step
   accepted_BxS: jax.Array
   depth_BxS: jax.Array
+  path_BxSxD: jax.Array
 
 
-def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth):
+def features_of(out, layers: tuple[int, ...]) -> jax.Array:
+  """The drafter's target features: the top hidden state, or chosen layers concatenated."""
+  return jnp.concatenate(out.layer_hiddens, -1) if layers else out.hidden_BxTxD
+
+
+def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth, layers=()):
   """One target forward over [root, draft nodes], the verdict, and the committed cache.
 
   Returns the cache with the accepted path committed, the verdict, the emitted tokens
@@ -92,16 +99,17 @@ def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth):
   valid_BxM = jnp.concatenate([jnp.ones((b, 1), bool), draft.valid_BxN], 1)
   mask_BxMxM, depth_BxM = tree_structure(parents_BxM, valid_BxM)
   if n == 0:  # nothing drafted: a plain decode step, no tree bookkeeping
-    out = model(root_B[:, None], cache.lengths_B[:, None], cache)
+    out = model(root_B[:, None], cache.lengths_B[:, None], cache, return_layers=layers)
+    feats_BxTxF = features_of(out, layers)
     bonus_B = sample(key, out.logits_BxTxV[:, 0], params)
     verdict = Verdict(path_BxD=jnp.zeros((b, max_depth), jnp.int32),
                       num_accepted_B=jnp.zeros((b,), jnp.int32), bonus_B=bonus_B)
     emitted_BxK = jnp.zeros((b, max_depth + 1), jnp.int32).at[:, 0].set(bonus_B)
-    features_BxKxD = jnp.zeros((b, max_depth + 1, out.hidden_BxTxD.shape[-1]),
-                               out.hidden_BxTxD.dtype).at[:, 0].set(out.hidden_BxTxD[:, 0])
+    features_BxKxD = jnp.zeros((b, max_depth + 1, feats_BxTxF.shape[-1]),
+                               feats_BxTxF.dtype).at[:, 0].set(feats_BxTxF[:, 0])
     return out.cache, verdict, emitted_BxK, features_BxKxD, jnp.zeros((b,), jnp.int32)
   out = model(tokens_BxM, cache.lengths_B[:, None] + depth_BxM, cache, mask_BxTxT=mask_BxMxM,
-              num_valid_B=jnp.zeros((b,), jnp.int32))
+              num_valid_B=jnp.zeros((b,), jnp.int32), return_layers=layers)
   q = None
   if draft.q_BxNxV is not None:
     q = jnp.concatenate([jnp.zeros_like(draft.q_BxNxV[:, :1]), draft.q_BxNxV], 1)
@@ -113,7 +121,7 @@ def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth):
   emitted_BxK = jnp.where(jnp.arange(d + 1)[None] < a_B[:, None], emitted_BxK, 0)
   emitted_BxK = emitted_BxK.at[jnp.arange(b), a_B].set(verdict.bonus_B)
   slots_BxK = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path_BxD], 1)
-  features_BxKxD = jnp.take_along_axis(out.hidden_BxTxD, slots_BxK[:, :, None], 1)
+  features_BxKxD = jnp.take_along_axis(features_of(out, layers), slots_BxK[:, :, None], 1)
   depth_drafted_B = jnp.max(jnp.where(valid_BxM, depth_BxM, 0), axis=1)
   return commit(out.cache, verdict), verdict, emitted_BxK, features_BxKxD, depth_drafted_B
 
@@ -126,10 +134,11 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
   b = tokens_BxP.shape[0]
   d = max(drafter.max_depth, 1)
   cache = KVCache.init(model.config, b, cache_len, model.embed.dtype)
-  out, logits_BxV = prefill(model, tokens_BxP, lengths_B, cache)
+  layers = tuple(drafter.feature_layers)
+  out, logits_BxV = prefill(model, tokens_BxP, lengths_B, cache, return_layers=layers)
   key, sub = jax.random.split(key)
   first_B = sample(sub, logits_BxV, params)
-  dstate = drafter.init(dparams, tokens_BxP, lengths_B, out.hidden_BxTxD, first_B, cache_len)
+  dstate = drafter.init(dparams, tokens_BxP, lengths_B, features_of(out, layers), first_B, cache_len)
   key, k_draft = jax.random.split(key)
   draft, dstate = drafter.propose(dparams, dstate, first_B, k_draft, params)
   s = _SpecState(
@@ -139,7 +148,8 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
       done_B=_is_stop(first_B, stop_ids) | (max_new_tokens <= 1),
       step=jnp.int32(0), key=key, dstate=dstate, draft=draft,
       accepted_BxS=jnp.full((b, max_new_tokens), -1, jnp.int32),
-      depth_BxS=jnp.zeros((b, max_new_tokens), jnp.int32))
+      depth_BxS=jnp.zeros((b, max_new_tokens), jnp.int32),
+      path_BxSxD=jnp.zeros((b, max_new_tokens, d), jnp.int32))
 
   def step(s: _SpecState, use_draft: bool) -> _SpecState:
     """Verify ``s.draft`` (or, without it, a plain decode step), emit, update, draft again."""
@@ -147,7 +157,7 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
     active_B = ~s.done_B
     draft = s.draft if use_draft else jax.tree.map(lambda x: x[:, :0], s.draft)
     cache, verdict, emitted_BxK, feats, depth_B = _target_pass(
-        model, s.cache, s.root_B, draft, k_verify, params, d)
+        model, s.cache, s.root_B, draft, k_verify, params, d, layers)
     cache = cache.replace(lengths_B=jnp.where(active_B, cache.lengths_B, s.cache.lengths_B))
     k = emitted_BxK.shape[1]
     count_B = verdict.num_accepted_B + 1
@@ -171,7 +181,9 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
         step=s.step + 1, key=key, dstate=dstate, draft=next_draft,
         accepted_BxS=s.accepted_BxS.at[:, step_col].set(
             jnp.where(active_B, verdict.num_accepted_B, -1)),
-        depth_BxS=s.depth_BxS.at[:, step_col].set(jnp.where(active_B, depth_B, 0)))
+        depth_BxS=s.depth_BxS.at[:, step_col].set(jnp.where(active_B, depth_B, 0)),
+        path_BxSxD=s.path_BxSxD.at[:, step_col].set(jnp.where(
+            jnp.arange(d)[None] < verdict.num_accepted_B[:, None], verdict.path_BxD, 0)))
 
   def cond(s):
     return ~jnp.all(s.done_B)
@@ -187,7 +199,7 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
     return step(s, use_draft=True)
 
   s = jax.lax.while_loop(cond, body, s)
-  return s.out_BxN, s.num_new_B, s.accepted_BxS, s.depth_BxS
+  return s.out_BxN, s.num_new_B, s.accepted_BxS, s.depth_BxS, s.path_BxSxD
 
 
 
@@ -202,9 +214,13 @@ def speculative_generate(model: Transformer, drafter, dparams, prompts: Sequence
   args = (state, dparams, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
   statics = dict(graphdef=graphdef, drafter=drafter, max_new_tokens=max_new_tokens,
                  cache_len=cache_len, params=params, stop_ids=stop, pad_id=pad_id)
-  (out_BxN, num_new_B, acc_BxS, dep_BxS), compile_s, run_s = run_compiled(_spec_jit, args, statics)
+  (out_BxN, num_new_B, acc_BxS, dep_BxS, path_BxSxD), compile_s, run_s = run_compiled(
+      _spec_jit, args, statics)
   acc = [[int(a) for a in row if a >= 0] for row in acc_BxS]
   dep = [[int(d) for d, a in zip(drow, arow) if a >= 0] for drow, arow in zip(dep_BxS, acc_BxS)]
+  paths = [[tuple(int(x) for x in p[:a]) for p, a in zip(prow, arow) if a >= 0]
+           for prow, arow in zip(path_BxSxD, acc_BxS)]
   return SpecGeneration(tokens=[out_BxN[i, :n].tolist() for i, n in enumerate(num_new_B)],
                         num_new=num_new_B.tolist(), accepted=acc, drafted_depth=dep,
+                        accepted_slots=paths,
                         seconds=run_s, compile_seconds=compile_s)

@@ -24,6 +24,7 @@ class RandomTreeDrafter:
 
   tree: TreeSpec
   vocab: int
+  feature_layers = ()
 
   @property
   def num_nodes(self):

@@ -2,7 +2,8 @@
 
 from eagle_jax.drafters.base import Accepted, Draft, Drafter
 from eagle_jax.drafters.draft_model import DraftModelDrafter, self_draft_model
+from eagle_jax.drafters.eagle import EagleDrafter
 from eagle_jax.drafters.pld import PromptLookupDrafter
 
-__all__ = ["Accepted", "Draft", "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
+__all__ = ["Accepted", "Draft", "Drafter", "DraftModelDrafter", "EagleDrafter", "PromptLookupDrafter",
            "self_draft_model"]

@@ -31,8 +31,9 @@ class Accepted:
   """What one verify step emitted for each row.
 
   ``tokens_BxK[:, :count]`` are the accepted draft tokens followed by the target's bonus
-  token (the next root). ``features_BxKxD[:, i]`` is the target's top hidden state at the
-  position just before ``tokens_BxK[:, i]`` (root, then each accepted node). ``count_B`` is
+  token (the next root). ``features_BxKxD[:, i]`` is the target's feature (see
+  ``Drafter.feature_layers``) at the position just before ``tokens_BxK[:, i]`` (root, then
+  each accepted node). ``count_B`` is
   0 for rows that have finished.
   """
 
@@ -45,6 +46,7 @@ class ChainDrafter:
   """Mixin for drafters that propose a chain of ``gamma`` nodes (node i's parent is slot i)."""
 
   gamma: int
+  feature_layers = ()  # the top hidden state
 
   @property
   def num_nodes(self) -> int:
@@ -61,6 +63,9 @@ class ChainDrafter:
 class Drafter(Protocol):
   num_nodes: int  # N, the static node budget per step
   max_depth: int  # deepest node, bounds the accepted path
+  # Which target features the drafter receives (``features_BxKxF``): () = the top hidden state
+  # (as fed to the LM head); otherwise Hugging Face ``hidden_states`` indices, concatenated.
+  feature_layers: tuple[int, ...]
 
   def init(self, dparams: Any, prompt_BxP: jax.Array, lengths_B: jax.Array,
            features_BxPxD: jax.Array, first_B: jax.Array, cache_len: int) -> Any:

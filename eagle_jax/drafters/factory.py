@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 from eagle_jax.drafters.draft_model import DraftModelDrafter, self_draft_model
 from eagle_jax.drafters.pld import PromptLookupDrafter
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model import Transformer
 
-DRAFTERS = ("vanilla", "pld", "draft-model", "self-draft")
+DRAFTERS = ("vanilla", "pld", "draft-model", "self-draft", "eagle1", "eagle2", "eagle3")
+EAGLE_VERSION = {"eagle1": 1, "eagle2": 1, "eagle3": 3}  # EAGLE-2 drafts with EAGLE-1 weights
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterOptions:
-  gamma: int = 0  # 0 = the drafter's default
+  gamma: int = 0  # 0 = the drafter's default; eagle1 with gamma > 0 drafts a chain
   pld_min_ngram: int = 2
   pld_max_ngram: int = 3
-  draft_model: str | None = None  # registered name, HF folder or .gguf (draft-model)
+  draft_model: str | None = None  # --drafter-ckpt: draft model (name/folder/.gguf) or trained head
   self_draft_layers: int = 0  # 0 = a third of the target's layers
+  top_k: int = 0  # dynamic trees (eagle2/eagle3); 0 = the checkpoint's tuned value or default
+  depth: int = 0
+  total_tokens: int = 0
+  runs_dir: str = "runs"  # where trained drafters are looked up when no checkpoint is given
 
 
-def make_drafter(name: str, target: Transformer, options: DrafterOptions = DrafterOptions()):
-  """Returns ``(drafter, dparams)``; ``(None, None)`` for plain decoding."""
+def make_drafter(name: str, target: Transformer, options: DrafterOptions = DrafterOptions(),
+                 model: str | None = None):
+  """Returns ``(drafter, dparams)``; ``(None, None)`` for plain decoding.
+
+  ``model`` (the target's name) narrows the search for trained heads in ``options.runs_dir``.
+  """
   if name == "vanilla":
     return None, None
   if name == "pld":
@@ -31,6 +42,8 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
   if name == "self-draft":
     layers = options.self_draft_layers or max(1, target.config.num_layers // 3)
     return DraftModelDrafter.create(self_draft_model(target, layers), gamma=options.gamma or 3)
+  if name in EAGLE_VERSION:
+    return make_eagle(name, target, options, model)
   if name == "draft-model":
     if not options.draft_model:
       raise EagleJaxError("--drafter draft-model needs --drafter-ckpt NAME_OR_PATH (a model "
@@ -41,3 +54,47 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
     return DraftModelDrafter.create(draft, gamma=options.gamma or 4,
                                     target_vocab=target.config.vocab_size)
   raise EagleJaxError(f"unknown drafter {name!r}; choose from: {', '.join(DRAFTERS)}")
+
+
+def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
+  """The trained run in ``runs_dir`` for drafter ``name`` with the most training tokens."""
+  want = "eagle3" if name == "eagle3" else "eagle1"
+  best = None
+  if os.path.isdir(runs_dir):
+    for run in sorted(os.listdir(runs_dir)):
+      meta_path = os.path.join(runs_dir, run, "final", "drafter.json")
+      if not os.path.isfile(meta_path):
+        continue
+      with open(meta_path) as f:
+        meta = json.load(f)
+      if meta.get("drafter") != want or (model and meta.get("model") != model):
+        continue
+      key = (meta.get("train_tokens", 0), os.path.getmtime(meta_path))
+      if best is None or key > best[0]:
+        best = (key, os.path.join(runs_dir, run, "final"))
+  if best is None:
+    raise EagleJaxError(f"no trained {want} head in {runs_dir}/ (train one with: eagle-jax train "
+                        f"configs/train/{want}-quick.yaml) and no --drafter-ckpt given")
+  return best[1]
+
+
+def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: str | None = None):
+  from eagle_jax.drafters.eagle import EagleDrafter
+  from eagle_jax.pipeline import load_head
+  from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
+
+  path = options.draft_model or find_checkpoint(name, options.runs_dir, model)
+  head, meta = load_head(path)
+  if head.config.version != EAGLE_VERSION[name]:
+    raise EagleJaxError(f"{path}: holds an EAGLE-{head.config.version} head; --drafter {name} "
+                        f"needs EAGLE-{EAGLE_VERSION[name]}")
+  if name == "eagle1":
+    tree = TreeSpec.chain(options.gamma) if options.gamma else TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES)
+    drafter, dparams = EagleDrafter.create(head, target, tree)
+  else:
+    tuned = meta.get("budget", {})
+    drafter, dparams = EagleDrafter.create(
+        head, target, None, top_k=options.top_k or tuned.get("top_k", 8),
+        depth=options.depth or tuned.get("depth", 5),
+        total_tokens=options.total_tokens or tuned.get("total_tokens", 24))
+  return drafter, dparams

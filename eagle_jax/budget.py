@@ -1,0 +1,103 @@
+"""Hardware-aware EAGLE-2 tree budget: pick ``total_tokens`` and ``depth`` for this machine.
+
+EAGLE-2's reference code tunes ``total_token`` by timing generation. Timing every setting means
+compiling every setting, so we predict instead, from three measurements on this machine:
+
+1. **Acceptance at every budget from one run per depth.** The dynamic drafter lays out its
+   nodes best first (:mod:`eagle_jax.drafters.eagle`): the tree a budget of ``n`` nodes keeps
+   is exactly slots ``1..n``. Under greedy verification the accepted path is the target's own
+   continuation, so with budget ``n`` a step accepts the leading path nodes whose slots are
+   ``<= n``. One greedy run with the largest budget, recording each step's accepted slots,
+   gives tau(n) for every ``n`` at once.
+2. **Verify cost** c(n + 1): one target forward over ``n`` nodes plus the root
+   (:func:`eagle_jax.bench_spec.verify_cost_curve`).
+3. **Draft cost** d(depth): the head's propose + update, timed jitted.
+
+Predicted tokens/s(n, depth) = tau(n) / (c(n + 1) + d(depth)); the best pair wins. Prompts are
+held-out ShareGPT first turns by default (not the evaluation set).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax.drafters.base import Accepted
+from eagle_jax.drafters.eagle import EagleDrafter
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.speculative import speculative_generate
+
+
+def tau_by_budget(accepted_slots, max_nodes: int) -> np.ndarray:
+  """``tau[n]`` for n = 0..max_nodes from per-step accepted slot paths of a best-first tree."""
+  steps = [path for row in accepted_slots for path in row]
+  tau = np.ones(max_nodes + 1)
+  if not steps:
+    return tau
+  for n in range(1, max_nodes + 1):
+    tau[n] = 1 + np.mean([sum(1 for s in path if s <= n) for path in steps])
+  return tau
+
+
+def draft_cost_ms(drafter: EagleDrafter, dparams, target, prompt, repeats: int = 10) -> float:
+  """Median ms of one ``update`` (a full accepted path) + ``propose`` of the drafter."""
+  b, d = 1, drafter.max_depth
+  p = jnp.asarray([prompt], jnp.int32)
+  out = target(p, jnp.arange(p.shape[1])[None], None, return_layers=drafter.feature_layers)
+  from eagle_jax.speculative import features_of
+
+  feats = features_of(out, drafter.feature_layers)
+  state = drafter.init(dparams, p, jnp.array([p.shape[1]]), feats, jnp.array([1]),
+                       p.shape[1] + 256)
+  acc = Accepted(tokens_BxK=jnp.ones((b, d + 1), jnp.int32), count_B=jnp.array([d + 1]),
+                 features_BxKxD=jnp.broadcast_to(feats[:, -1:], (b, d + 1, feats.shape[-1])))
+
+  @jax.jit
+  def step(dparams, state, acc):
+    state = drafter.update(dparams, state, acc)
+    return drafter.propose(dparams, state, acc.tokens_BxK[:, 0], jax.random.key(0), SamplingParams())
+
+  jax.block_until_ready(step(dparams, state, acc))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(step(dparams, state, acc))
+    times.append(time.perf_counter() - t)
+  return 1000 * statistics.median(times)
+
+
+def tune_budget(head, target, prompts, *, curve: dict[int, float], top_k: int = 8,
+                depths=(4, 5, 6, 7), max_nodes: int = 64, max_new_tokens: int = 64) -> dict:
+  """Best ``(total_tokens, depth)`` by predicted tokens/s; returns the choice and the tables."""
+  best, table = None, {}
+  for depth in depths:
+    pool = top_k + (depth - 1) * top_k ** 2
+    n_max = min(max_nodes, pool, max(curve) - 1)
+    drafter, dparams = EagleDrafter.create(head, target, None, top_k=top_k, depth=depth,
+                                           total_tokens=n_max)
+    gen = speculative_generate(target, drafter, dparams, prompts, max_new_tokens=max_new_tokens,
+                               stop_ids=())
+    tau = tau_by_budget(gen.accepted_slots, n_max)
+    d_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
+    xs = sorted(curve)
+    rows = []
+    for n in range(1, n_max + 1):
+      cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + d_ms
+      rows.append({"total_tokens": n, "tau": round(float(tau[n]), 3),
+                   "ms_per_step": round(cost, 2), "tokens_per_s": round(1000 * tau[n] / cost, 2)})
+    table[depth] = {"draft_ms": round(d_ms, 2), "rows": rows}
+    top = max(rows, key=lambda r: r["tokens_per_s"])
+    if best is None or top["tokens_per_s"] > best["tokens_per_s"]:
+      best = dict(top, depth=depth, top_k=top_k)
+  vanilla = 1000 / curve[1]
+  return {"top_k": best["top_k"], "depth": best["depth"], "total_tokens": best["total_tokens"],
+          "predicted_tau": best["tau"], "predicted_tokens_per_s": best["tokens_per_s"],
+          "vanilla_tokens_per_s": round(vanilla, 2),
+          "predicted_speedup": round(best["tokens_per_s"] / vanilla, 3),
+          "verify_cost_ms": curve, "by_depth": table,
+          "method": "greedy run at the largest budget per depth; tau(n) from best-first slots; "
+                    "cost = verify c(n+1) + timed draft propose/update"}

@@ -1,0 +1,145 @@
+"""EAGLE draft heads (EAGLE-1 and EAGLE-3) in Flax NNX.
+
+A head predicts the target's next top-level feature from ``concat(embed(token_{t+1}),
+feature_t)`` with one decoder layer of the target's own architecture (:class:`DecoderLayer`,
+first input norm skipped) and reads tokens off it with an LM head:
+
+- **EAGLE-1**: feature = the target's top hidden state (after the final norm); the head's
+  output goes straight into the target's frozen LM head.
+- **EAGLE-3**: feature = ``fuse(concat(low, mid, high))`` of three target layers
+  (``Linear(3h -> h)``); when drafting deeper the head's own output is fed back instead.
+  The output passes a norm and a trainable LM head over a reduced draft vocabulary; ``d2t``
+  maps draft ids to target ids.
+
+The target's embedding and LM head are never copied into the head: they arrive as
+:class:`Frozen` arrays at call time (for a tied model both are the same array).
+
+Attention: the head has one layer of K/V. Callers give ``bias_BxTxS`` (0 = visible) and the
+slots the new K/V go to, so the same code serves causal training, training-time-test
+unrolling and tree drafting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.config import ModelConfig
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.model import DecoderLayer, Linear, RMSNorm, Transformer, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHeadConfig:
+  version: int  # 1 or 3
+  target: ModelConfig
+  fuse_layers: tuple[int, ...] = ()  # EAGLE-3: Hugging Face hidden_states indices (low, mid, high)
+  draft_vocab: int = 0  # EAGLE-3: reduced vocabulary size (0 = the target's)
+
+  def __post_init__(self):
+    if self.version not in (1, 3):
+      raise EagleJaxError(f"EAGLE version must be 1 or 3, got {self.version}")
+    if self.version == 3 and len(self.fuse_layers) < 2:
+      raise EagleJaxError("EAGLE-3 needs at least two fuse_layers (low, mid, high)")
+    if self.version == 1 and (self.fuse_layers or self.draft_vocab):
+      raise EagleJaxError("EAGLE-1 uses the target's top feature and full vocabulary "
+                          "(fuse_layers and draft_vocab are EAGLE-3 options)")
+    for i in self.fuse_layers:
+      if not 0 <= i <= self.target.num_layers:
+        raise EagleJaxError(f"fuse layer {i} outside [0, {self.target.num_layers}]")
+
+  @property
+  def vocab(self) -> int:
+    return self.draft_vocab or self.target.vocab_size
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """What the engine must hand the drafter: () = the top hidden state."""
+    return self.fuse_layers
+
+  def to_dict(self) -> dict:
+    return {"version": self.version, "target": self.target.to_hf_dict(),
+            "fuse_layers": list(self.fuse_layers), "draft_vocab": self.draft_vocab}
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "EagleHeadConfig":
+    return cls(version=int(d["version"]), target=ModelConfig.from_hf_dict(d["target"]),
+               fuse_layers=tuple(d["fuse_layers"]), draft_vocab=int(d["draft_vocab"]))
+
+
+def default_fuse_layers(num_layers: int) -> tuple[int, int, int]:
+  """Low, middle and high target layers, as EAGLE-3's reference code picks them."""
+  return (2, num_layers // 2, num_layers - 3)
+
+
+@flax.struct.dataclass
+class Frozen:
+  """The target's token embedding ``[V, D]`` and LM head ``[V, D]`` (frozen, shared)."""
+
+  embed_VxD: jax.Array
+  lm_head_VxD: jax.Array
+
+  @classmethod
+  def of(cls, target: Transformer) -> "Frozen":
+    head = target.embed[...] if target.lm_head is None else target.lm_head.weight[...]
+    return cls(embed_VxD=target.embed[...], lm_head_VxD=head)
+
+  def target_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
+    return jnp.einsum("...d,vd->...v", hidden_BxTxD, self.lm_head_VxD).astype(jnp.float32)
+
+
+class EagleHead(nnx.Module):
+
+  def __init__(self, config: EagleHeadConfig, *, rngs: nnx.Rngs, d2t=None, lm_head_init=None):
+    c, d = config, config.target.hidden_size
+    self.config = config
+    self.fuse = Linear(len(c.fuse_layers) * d, d, bias=False, rngs=rngs) if c.version == 3 else None
+    self.fc = Linear(2 * d, d, bias=True, rngs=rngs)
+    self.layer = DecoderLayer(c.target, rngs=rngs, skip_input_norm=True)
+    self.norm = RMSNorm(d, c.target.rms_norm_eps) if c.version == 3 else None
+    if c.version == 3:
+      d2t = jnp.arange(c.vocab, dtype=jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32)
+      if d2t.shape != (c.vocab,):
+        raise EagleJaxError(f"d2t map has shape {d2t.shape}, expected ({c.vocab},)")
+      self.d2t = nnx.Variable(d2t)  # not a Param: never trained
+      self.lm_head = Linear(d, c.vocab, bias=False, rngs=rngs)
+      if lm_head_init is not None:  # start from the target's LM head rows of the draft vocab
+        self.lm_head.weight[...] = jnp.asarray(lm_head_init)[d2t]
+    else:
+      self.d2t = None
+      self.lm_head = None
+
+  def fuse_features(self, f_BxTxF: jax.Array) -> jax.Array:
+    """Target features as the engine hands them -> the head's input feature ``[.., D]``."""
+    return f_BxTxF if self.fuse is None else self.fuse(f_BxTxF)
+
+  def __call__(self, tokens_BxT, feature_BxTxD, positions_BxT, bias_BxTxS, frozen: Frozen,
+               kv=None, slots_BxT=None):
+    """One head step over T inputs; returns ``(output_BxTxD, new (k, v))``."""
+    e_BxTxD = jnp.take(frozen.embed_VxD, tokens_BxT, axis=0).astype(feature_BxTxD.dtype)
+    x_BxTxD = self.fc(jnp.concatenate([e_BxTxD, feature_BxTxD], axis=-1))
+    cos, sin = rope_tables(self.config.target, positions_BxT, x_BxTxD.dtype)
+    return self.layer(x_BxTxD, cos, sin, bias_BxTxS, kv, slots_BxT)
+
+  def logits(self, out_BxTxD: jax.Array, frozen: Frozen) -> jax.Array:
+    """Draft logits over the draft vocabulary (fp32)."""
+    if self.lm_head is None:
+      return frozen.target_logits(out_BxTxD)
+    return self.lm_head(self.norm(out_BxTxD)).astype(jnp.float32)
+
+  def to_target(self, draft_ids):
+    """Draft-vocabulary ids -> target token ids."""
+    return draft_ids if self.lm_head is None else self.d2t[...][draft_ids]
+
+  def init_kv(self, batch: int, slots: int, dtype=jnp.float32):
+    t = self.config.target
+    z = jnp.zeros((batch, slots, t.num_kv_heads, t.head_dim), dtype)
+    return (z, z)
+
+
+def bias_from_mask(mask):
+  return jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)

@@ -1,0 +1,148 @@
+"""Training objective of EAGLE heads on feature-cache rows (a :class:`~eagle_jax.train.Task`).
+
+Row layout: packed conversations (``segments``), ``hidden`` = the target's top feature,
+``layers`` = the EAGLE-3 fusion layers, ``target_argmax`` = the target's greedy next token.
+
+Step 0 (teacher forced): at position t the head reads ``(token_{t+1}, feature_t)`` and predicts
+the target's feature at t+1 and its next-token distribution (the target's LM head applied to
+``hidden[t+1]``). Training-time test (EAGLE-3, ``ttt_steps > 1``): step j reads
+``(token_{t+1+j}, head output of step j-1 at t)`` at position ``pos[t] + j``; its queries see
+step-0 keys of positions <= t in the same conversation plus the keys of steps 1..j at t: the
+same attention a tree node at depth j sees when drafting.
+
+- EAGLE-1: SmoothL1(output_0, hidden[t+1]) + ``ce_weight`` x cross entropy against the target's
+  distribution; uniform feature noise on the inputs.
+- EAGLE-3: sum_j ``0.8^j`` x cross entropy over the draft vocabulary (target distribution
+  restricted to it; positions whose target argmax lies outside are skipped); no regression.
+
+Metrics: ``acc_j`` (draft argmax == target argmax at step j) and ``tau_proxy``: 1 + expected
+accepted length of a greedy chain of ``eval_steps`` drafts, teacher forced on the data where
+the data follows the target's argmax (a cheap held-out stand-in for tau; the real tau comes
+from decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen, bias_from_mask
+from eagle_jax.features import segment_mask
+
+
+def draft_vocab_map(shards, size: int, vocab: int, always=()) -> np.ndarray:
+  """The ``size`` most frequent target tokens in the training rows' assistant replies
+  (ties by id; ``always`` ids forced in), sorted by id: the draft-to-target map."""
+  counts = np.zeros(vocab, np.int64)
+  for i in range(0, shards.num_rows, 64):
+    r = shards.rows(range(i, min(i + 64, shards.num_rows)), ("tokens", "loss_mask", "target_argmax"))
+    np.add.at(counts, r["tokens"][r["loss_mask"]], 1)
+    np.add.at(counts, r["target_argmax"][r["loss_mask"]], 1)
+  counts[list(always)] = counts.max() + 1
+  top = np.argsort(-counts, kind="stable")[:size]
+  return np.sort(top).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleTask:
+  config: EagleHeadConfig
+  frozen: Frozen
+  ttt_steps: int = 1
+  eval_steps: int = 4
+  ce_weight: float = 0.1
+  reg_weight: float = 1.0
+  step_decay: float = 0.8
+  feature_noise: float = 0.2
+  d2t: np.ndarray | None = None
+
+  @property
+  def keys(self):
+    base = ("tokens", "positions", "segments", "loss_mask", "target_argmax", "hidden")
+    return base + (("layers",) if self.config.version == 3 else ())
+
+  def init_module(self, rngs):
+    return EagleHead(self.config, rngs=rngs, d2t=self.d2t,
+                     lm_head_init=self.frozen.lm_head_VxD if self.config.version == 3 else None)
+
+  def loss(self, head: EagleHead, frozen: Frozen, batch, key, train):
+    steps = self.ttt_steps if train else max(self.ttt_steps, self.eval_steps)
+    return eagle_loss(head, frozen, batch, key, steps=steps, train=train, task=self)
+
+
+def _shift(x_BxT, j, fill=0):
+  """``y[:, t] = x[:, t + j]`` (``fill`` past the end)."""
+  if j == 0:
+    return x_BxT
+  pad = jnp.full(x_BxT.shape[:1] + (j,) + x_BxT.shape[2:], fill, x_BxT.dtype)
+  return jnp.concatenate([x_BxT[:, j:], pad], 1)
+
+
+def unroll(head: EagleHead, frozen: Frozen, tokens, feat_BxTxD, pos, seg, steps: int):
+  """Head outputs ``[B, T, D]`` for steps 0..steps-1 (step j reads ``token_{t+1+j}``)."""
+  b, t = tokens.shape
+  seg0 = segment_mask(seg)  # [B, T, T]
+  eye = jnp.broadcast_to(jnp.eye(t, dtype=bool)[None], (b, t, t))
+  hidden_steps = jnp.zeros((b, t, t), bool)
+  kv = head.init_kv(b, steps * t, feat_BxTxD.dtype)
+  outs, x = [], feat_BxTxD
+  for j in range(steps):
+    mask = jnp.concatenate([seg0] + [eye] * j + [hidden_steps] * (steps - 1 - j), 2)
+    slots = jnp.broadcast_to(j * t + jnp.arange(t), (b, t))
+    x, kv = head(_shift(tokens, 1 + j), x, pos + j, bias_from_mask(mask), frozen, kv, slots)
+    outs.append(x)
+  return outs
+
+
+def eagle_loss(head: EagleHead, frozen: Frozen, batch, key, *, steps, train, task):
+  tokens, pos, seg = batch["tokens"], batch["positions"], batch["segments"]
+  hidden = batch["hidden"]
+  b, t = tokens.shape
+  v3 = head.config.version == 3
+  feat = batch["layers"].reshape(b, t, -1) if v3 else hidden
+  if train and task.feature_noise:
+    amp = task.feature_noise / 2 * 512 / t
+    feat = feat + jax.random.uniform(key, feat.shape, feat.dtype, -amp, amp)
+  outs = unroll(head, frozen, tokens, head.fuse_features(feat), pos, seg, steps)
+  if v3:
+    in_vocab = jnp.zeros((frozen.lm_head_VxD.shape[0],), bool).at[head.d2t[...]].set(True)
+    sub_head = frozen.lm_head_VxD[head.d2t[...]]
+  total, metrics = 0.0, {}
+  accept_run, chain_ok = jnp.ones((b, t), bool), jnp.zeros((b, t), jnp.float32)
+  valid_all = jnp.ones((b, t), bool)
+  for j, out in enumerate(outs):
+    valid = (_shift(seg, 1 + j) == seg) & (seg > 0) & _shift(batch["loss_mask"], 1 + j, False)
+    logits = head.logits(out, frozen)
+    h_u = jax.lax.stop_gradient(_shift(hidden, 1 + j))
+    am_u = _shift(batch["target_argmax"], 1 + j)
+    if v3:
+      p = jax.nn.softmax(jnp.einsum("btd,vd->btv", h_u, sub_head).astype(jnp.float32), -1)
+      valid = valid & in_vocab[am_u]
+    else:
+      p = jax.nn.softmax(frozen.target_logits(h_u), -1)
+    w = valid.astype(jnp.float32)
+    denom = jnp.maximum(w.sum(), 1.0)
+    ce = -(p * jax.nn.log_softmax(logits, -1)).sum(-1)
+    ce = (ce * w).sum() / denom
+    hit = head.to_target(jnp.argmax(logits, -1)) == am_u
+    metrics[f"acc_{j}"] = (hit * w).sum() / denom
+    metrics[f"ce_{j}"] = ce
+    if v3 and j < task.ttt_steps:
+      total = total + task.step_decay ** j * ce
+    elif j == 0 and not v3:
+      reg = jnp.abs(out - h_u)
+      reg = jnp.where(reg < 1.0, 0.5 * reg ** 2, reg - 0.5).mean(-1)
+      reg = (reg * w).sum() / denom
+      metrics["reg_0"] = reg
+      total = total + task.reg_weight * reg + task.ce_weight * ce
+    # greedy chain proxy: step j's input token must be what greedy decoding would have fed
+    follows = (_shift(tokens, 1 + j) == _shift(batch["target_argmax"], j)) if j else True
+    accept_run = accept_run & hit & follows
+    chain_ok = chain_ok + accept_run
+    valid_all = valid_all & valid
+  wa = valid_all.astype(jnp.float32)
+  metrics["tau_proxy"] = 1.0 + (chain_ok * wa).sum() / jnp.maximum(wa.sum(), 1.0)
+  return total, metrics

@@ -1,0 +1,297 @@
+"""Target feature cache: run the target once over the training data, store what drafters learn from.
+
+Conversations are encoded with the target's chat template (loss mask on assistant tokens),
+packed greedily into fixed rows of ``row_len`` tokens (several conversations per row, each
+attending only to itself: block-diagonal causal mask, positions restart per conversation),
+and run through the target in batches of rows by one jit-compiled forward. Each shard
+(``shard_XXXXX/``, ``rows_per_shard`` rows) holds:
+
+- ``tokens``, ``positions``, ``segments`` (0 = padding), ``loss_mask``: ``[R, T]``
+- ``target_argmax`` ``[R, T]``: the target's greedy next token at each position
+- ``hidden`` ``[R, T, D]``: the top hidden state (as fed to the LM head), bfloat16
+- ``layers`` ``[R, T, L, D]``: Hugging Face ``hidden_states`` at ``layers`` (EAGLE-3), bfloat16
+
+bfloat16 arrays are stored as ``uint16`` bit patterns (``.npy``). ``manifest.json`` lists
+finished shards with the conversation range each consumed; a killed extraction resumes after
+the last finished shard (a shard is written to a temporary folder and renamed when complete).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from eagle_jax.errors import EagleJaxError
+
+ARRAYS = ("tokens", "positions", "segments", "loss_mask", "target_argmax", "hidden", "layers")
+_BF16 = ("hidden", "layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+  model: str
+  row_len: int = 512
+  max_len: int = 512  # tokens per conversation (truncated)
+  layers: tuple[int, ...] = ()
+  rows_per_shard: int = 64
+  batch_rows: int = 8
+
+  def key(self) -> str:
+    return hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def pack_rows(examples: Iterator[tuple[int, np.ndarray, np.ndarray]], row_len: int):
+  """Greedy packing: yields ``(row arrays dict, index of the next unconsumed example)``."""
+  cur: list[tuple[np.ndarray, np.ndarray]] = []
+  used = 0
+  for idx, tok, mask in examples:
+    if used + len(tok) > row_len and cur:
+      yield _row(cur, row_len), idx
+      cur, used = [], 0
+    cur.append((tok[:row_len], mask[:row_len]))
+    used += len(cur[-1][0])
+  if cur:
+    yield _row(cur, row_len), None
+
+
+def _row(parts, row_len):
+  tokens = np.zeros(row_len, np.int32)
+  positions = np.zeros(row_len, np.int32)
+  segments = np.zeros(row_len, np.int32)
+  loss = np.zeros(row_len, bool)
+  o = 0
+  for s, (tok, mask) in enumerate(parts, 1):
+    n = len(tok)
+    tokens[o:o + n], positions[o:o + n], segments[o:o + n], loss[o:o + n] = tok, np.arange(n), s, mask
+    o += n
+  return dict(tokens=tokens, positions=positions, segments=segments, loss_mask=loss)
+
+
+def segment_mask(segments_BxT: jax.Array) -> jax.Array:
+  """Block-diagonal causal visibility ``[B, T, T]`` of packed rows (padding sees itself)."""
+  t = segments_BxT.shape[1]
+  same = (segments_BxT[:, :, None] == segments_BxT[:, None, :]) & (segments_BxT[:, :, None] > 0)
+  return (same & jnp.tril(jnp.ones((t, t), bool))[None]) | jnp.eye(t, dtype=bool)[None]
+
+
+def _forward_fn(graphdef, layers):
+  @jax.jit
+  def fwd(state, tokens, positions, segments):
+    model = nnx.merge(graphdef, state)
+    out = model(tokens, positions, None, mask_BxTxT=segment_mask(segments), return_layers=layers)
+    stack = jnp.stack(out.layer_hiddens, 2) if layers else jnp.zeros(tokens.shape + (0, 1))
+    return (jnp.argmax(out.logits_BxTxV, -1).astype(jnp.int32),
+            out.hidden_BxTxD.astype(jnp.bfloat16), stack.astype(jnp.bfloat16))
+  return fwd
+
+
+def _write_shard(root: str, index: int, arrays: dict) -> str:
+  name = f"shard_{index:05d}"
+  tmp = os.path.join(root, name + ".tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  for k, v in arrays.items():
+    if k in _BF16:
+      v = v.view(np.uint16)
+    np.save(os.path.join(tmp, k + ".npy"), v)
+  final = os.path.join(root, name)
+  shutil.rmtree(final, ignore_errors=True)
+  os.rename(tmp, final)
+  return name
+
+
+def read_manifest(root: str) -> dict:
+  path = os.path.join(root, "manifest.json")
+  if not os.path.isfile(path):
+    raise EagleJaxError(f"{root}: no feature cache here (manifest.json missing); run feature "
+                        "extraction first (eagle-jax train CONFIG does it)")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise EagleJaxError(f"{path}: corrupt manifest ({e.msg})") from None
+
+
+def _save_manifest(root: str, manifest: dict) -> None:
+  tmp = os.path.join(root, "manifest.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(manifest, f, indent=1)
+  os.replace(tmp, os.path.join(root, "manifest.json"))
+
+
+def matmul_flops_per_s(m: int = 2048, k: int = 576, n: int = 1536, repeats: int = 10) -> float:
+  """Dense fp32 matmul FLOP/s this machine reaches under jit (the MFU denominator)."""
+  a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+  f = jax.jit(lambda a, b: a @ b)
+  f(a, b).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(repeats):
+    f(a, b).block_until_ready()
+  return 2 * m * k * n * repeats / (time.perf_counter() - t0)
+
+
+def model_flops_per_token(config, context: float) -> float:
+  """Forward FLOPs per token: 2 x matmul parameters (LM head included) + attention."""
+  c = config
+  d, f, h, kv, dh = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+  per_layer = d * (h + 2 * kv) * dh + h * dh * d + 3 * d * f
+  return 2 * (c.num_layers * per_layer + d * c.vocab_size) + 4 * c.num_layers * h * dh * context
+
+
+def extract_features(model, encoded: Sequence[tuple[np.ndarray, np.ndarray]], root: str,
+                     spec: FeatureSpec, *, max_rows: int | None = None, progress: bool = True) -> dict:
+  """Extracts (or resumes extracting) features of ``encoded`` examples into ``root``.
+
+  ``encoded``: ``(tokens, loss_mask)`` per conversation, in a fixed order. Returns the manifest,
+  with throughput and model-FLOP utilisation of the run.
+  """
+  from tqdm import tqdm
+
+  os.makedirs(root, exist_ok=True)
+  mpath = os.path.join(root, "manifest.json")
+  manifest = read_manifest(root) if os.path.isfile(mpath) else None
+  if manifest is not None and manifest["spec_key"] != spec.key():
+    raise EagleJaxError(f"{root}: holds features for a different setting ({manifest['spec']}); "
+                        "use another folder or delete it")
+  if manifest is None:
+    manifest = {"spec": dataclasses.asdict(spec), "spec_key": spec.key(), "shards": [],
+                "complete": False, "exhausted": False}
+  total_rows = sum(s["rows"] for s in manifest["shards"])
+  if manifest.get("exhausted") or (max_rows is not None and total_rows >= max_rows):
+    manifest["complete"] = True  # a larger budget later extends the cache
+    return manifest
+  start = manifest["shards"][-1]["next_example"] if manifest["shards"] else 0
+  budget = None if max_rows is None else max_rows - total_rows
+  graphdef, state = nnx.split(model)
+  shape = jax.ShapeDtypeStruct((spec.batch_rows, spec.row_len), jnp.int32)
+  fwd = _forward_fn(graphdef, spec.layers).lower(state, shape, shape, shape).compile()  # not timed
+  examples = ((i, *encoded[i]) for i in range(start, len(encoded)))
+  rows_iter = pack_rows(examples, spec.row_len)
+  bar = tqdm(total=max_rows, initial=total_rows, unit="row", disable=not progress,
+             desc="features")
+  buffer: list[dict] = []
+  tokens_done, seconds, finished = 0, 0.0, False
+  next_example = start
+  while not finished:
+    rows = []
+    while len(rows) < spec.rows_per_shard and (budget is None or len(rows) < budget):
+      item = next(rows_iter, None)
+      if item is None:
+        finished = True
+        break
+      row, next_example = item
+      rows.append(row)
+      if next_example is None:
+        next_example = len(encoded)
+        manifest["exhausted"] = True
+    if budget is not None:
+      budget -= len(rows)
+      finished |= budget <= 0
+    if not rows:
+      manifest["exhausted"] = True
+      break
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    outs = {"target_argmax": [], "hidden": [], "layers": []}
+    for i in range(0, len(rows), spec.batch_rows):
+      sl = {k: v[i:i + spec.batch_rows] for k, v in batch.items()}
+      n = len(sl["tokens"])
+      pad = spec.batch_rows - n  # keep one compiled shape
+      args = [np.pad(sl[k], ((0, pad), (0, 0))) for k in ("tokens", "positions", "segments")]
+      t0 = time.perf_counter()
+      am, hid, lay = jax.block_until_ready(fwd(state, *args))
+      seconds += time.perf_counter() - t0
+      tokens_done += int((sl["segments"] > 0).sum())
+      outs["target_argmax"].append(np.asarray(am)[:n])
+      outs["hidden"].append(np.asarray(hid)[:n])
+      outs["layers"].append(np.asarray(lay)[:n])
+      bar.update(n)
+      bar.set_postfix(tok_per_s=f"{tokens_done / max(seconds, 1e-9):.0f}")
+    batch.update({k: np.concatenate(v) for k, v in outs.items()})
+    name = _write_shard(root, len(manifest["shards"]), batch)
+    manifest["shards"].append({"name": name, "rows": len(rows), "next_example": next_example,
+                               "tokens": int((batch["segments"] > 0).sum())})
+    _save_manifest(root, manifest)
+  bar.close()
+  manifest["complete"] = True
+  context = spec.max_len / 2
+  flops = model_flops_per_token(model.config, context) * tokens_done
+  peak = matmul_flops_per_s()
+  manifest["last_run"] = {
+      "tokens": tokens_done, "seconds": round(seconds, 2),
+      "tokens_per_s": round(tokens_done / max(seconds, 1e-9), 1),
+      "model_flops_per_s": round(flops / max(seconds, 1e-9) / 1e9, 2),
+      "matmul_flops_per_s": round(peak / 1e9, 2),
+      "mfu": round(flops / max(seconds, 1e-9) / peak, 3),
+      "mfu_note": "forward FLOPs (2 x matmul params incl. LM head + attention at mean context "
+                  "max_len/2) over the jitted fp32 2048x576x1536 matmul rate; GFLOP/s"}
+  _save_manifest(root, manifest)
+  return manifest
+
+
+class FeatureShards:
+  """Read access to a finished feature cache: ``rows(idx)`` gathers rows across shards.
+
+  ``max_rows`` limits it to the first rows (a smaller budget reusing a larger cache).
+  """
+
+  def __init__(self, root: str, max_rows: int | None = None):
+    self.root = root
+    self.manifest = read_manifest(root)
+    if not self.manifest.get("complete"):
+      raise EagleJaxError(f"{root}: feature extraction did not finish; re-run it to resume")
+    self.spec = self.manifest["spec"]
+    offsets = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
+    if max_rows is not None and max_rows < offsets[-1]:
+      keep = int(np.searchsorted(offsets, max_rows, side="left"))
+      self.manifest = dict(self.manifest, shards=self.manifest["shards"][:keep])
+      offsets = np.minimum(offsets[:keep + 1], max_rows)
+    self._offsets = offsets
+    self._cache: dict[str, dict[str, np.ndarray]] = {}
+
+  @property
+  def num_rows(self) -> int:
+    return int(self._offsets[-1])
+
+  @property
+  def num_tokens(self) -> int:
+    full = self._offsets[1:] - self._offsets[:-1] == [s["rows"] for s in self.manifest["shards"]]
+    n = sum(s["tokens"] for s, f in zip(self.manifest["shards"], full) if f)
+    if not full.all():  # the last shard is used in part
+      rows = range(int(self._offsets[-2]), int(self._offsets[-1]))
+      n += int((self.rows(rows, ("segments",))["segments"] > 0).sum())
+    return n
+
+  def _shard(self, i: int) -> dict[str, np.ndarray]:
+    name = self.manifest["shards"][i]["name"]
+    if name not in self._cache:
+      arrays = {}
+      for k in ARRAYS:
+        path = os.path.join(self.root, name, k + ".npy")
+        try:
+          a = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+          raise EagleJaxError(f"{path}: unreadable feature shard ({e})") from None
+        arrays[k] = a.view(ml_dtypes.bfloat16) if k in _BF16 else a
+      self._cache[name] = arrays
+    return self._cache[name]
+
+  def rows(self, idx: Sequence[int], keys: Sequence[str] = ARRAYS) -> dict[str, np.ndarray]:
+    idx = np.asarray(idx)
+    shard = np.searchsorted(self._offsets, idx, side="right") - 1
+    out = {k: [] for k in keys}
+    for i, s in zip(idx, shard):
+      arrays = self._shard(int(s))
+      for k in keys:
+        out[k].append(np.asarray(arrays[k][i - self._offsets[s]]))
+    return {k: np.stack(v) for k, v in out.items()}

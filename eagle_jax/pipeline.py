@@ -1,0 +1,285 @@
+"""``eagle-jax train CONFIG``: data -> feature cache -> trainer -> exported drafter.
+
+A training config (:class:`TrainConfig`, YAML validated by :mod:`eagle_jax.configs`) names the
+target, the drafter, the data budget, the optimizer and the loop. The feature cache lives in
+``<runs_dir>/features/<model>-<key>/`` and is shared by every drafter trained on the same
+target and data settings; the run lives in ``<runs_dir>/<name>/`` (``checkpoints/``,
+``metrics.jsonl``, ``config.yaml``) and its exported drafter in ``<runs_dir>/<name>/final/``
+(``drafter.json`` + ``params.safetensors``), which ``--drafter-ckpt`` accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Literal
+
+import jax
+import numpy as np
+from flax import nnx
+
+from eagle_jax.configs import dump_config, load_config, to_dict
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.train import LoopConfig, OptimConfig
+
+DEFAULT_RUNS_DIR = "runs"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  heldout_fraction: float = 0.02
+  max_len: int = 512  # tokens per conversation (longer ones are truncated)
+  row_len: int = 512  # packed row length
+  train_rows: int = 256  # feature-cache budget (0 = every training conversation)
+  heldout_rows: int = 16
+  split_seed: int = 0
+
+  def validate(self):
+    if not 0 < self.heldout_fraction < 1:
+      raise EagleJaxError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+    if self.max_len > self.row_len:
+      raise EagleJaxError(f"max_len ({self.max_len}) must not exceed row_len ({self.row_len})")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+  batch_rows: int = 8
+  rows_per_shard: int = 64
+  layers: tuple[int, ...] = ()  # () = EAGLE-3's default low/mid/high layers of the target
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+  ttt_steps: int = 1  # training-time-test unroll (EAGLE-3)
+  eval_steps: int = 4  # chain length of the held-out tau proxy
+  draft_vocab: int = 0  # EAGLE-3 reduced vocabulary (0 = full)
+  ce_weight: float = 0.1
+  reg_weight: float = 1.0
+  step_decay: float = 0.8
+  feature_noise: float = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+  """EAGLE-2 budget tuning after training (:mod:`eagle_jax.budget`)."""
+
+  enabled: bool = True
+  prompts: int = 4  # held-out ShareGPT first turns
+  max_new_tokens: int = 48
+  top_k: int = 8
+  depths: tuple[int, ...] = (4, 6)
+  max_nodes: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  name: str
+  drafter: Literal["eagle1", "eagle3"]
+  model: str = "smollm2-135m-instruct"
+  runs_dir: str = DEFAULT_RUNS_DIR
+  data: DataConfig = DataConfig()
+  features: FeatureConfig = FeatureConfig()
+  eagle: EagleConfig = EagleConfig()
+  optim: OptimConfig = OptimConfig()
+  loop: LoopConfig = LoopConfig()
+  tune: TuneConfig = TuneConfig()
+
+  def validate(self):
+    if self.drafter == "eagle1" and (self.eagle.draft_vocab or self.eagle.ttt_steps != 1):
+      raise EagleJaxError("eagle1 trains with ttt_steps=1 and the full vocabulary "
+                          "(eagle.draft_vocab and eagle.ttt_steps are EAGLE-3 settings)")
+
+
+class _Encoded:
+  """Conversations encoded with the chat template on first access."""
+
+  def __init__(self, tokenizer, conversations, max_len):
+    self.tok, self.convs, self.max_len, self._memo = tokenizer, conversations, max_len, {}
+
+  def __len__(self):
+    return len(self.convs)
+
+  def __getitem__(self, i):
+    from eagle_jax.sharegpt import encode_conversation
+
+    if i not in self._memo:
+      self._memo = {i: encode_conversation(self.tok, self.convs[i].messages, self.max_len)}
+    return self._memo[i]
+
+
+def feature_caches(cfg: TrainConfig, lm, *, progress=True):
+  """Extracts (or reuses) the train and held-out feature caches; returns their folders."""
+  from eagle_jax.eagle_head import default_fuse_layers
+  from eagle_jax.features import FeatureSpec, extract_features
+  from eagle_jax.sharegpt import load_sharegpt, split_heldout
+
+  layers = cfg.features.layers or default_fuse_layers(lm.config.num_layers)
+  spec = FeatureSpec(model=cfg.model, row_len=cfg.data.row_len, max_len=cfg.data.max_len,
+                     layers=tuple(layers), rows_per_shard=cfg.features.rows_per_shard,
+                     batch_rows=cfg.features.batch_rows)
+  tag = f"{os.path.basename(cfg.model.rstrip('/'))}-{spec.key()}-split{cfg.data.split_seed}"
+  root = os.path.join(cfg.runs_dir, "features", tag)
+  dirs = {"train": os.path.join(root, "train"), "heldout": os.path.join(root, "heldout")}
+  budget = {"train": cfg.data.train_rows or None, "heldout": cfg.data.heldout_rows}
+  todo = [s for s in dirs if not _has_rows(dirs[s], budget[s])]
+  if todo:
+    sg = load_sharegpt()
+    print(sg.summary())
+    train, held = split_heldout(sg.conversations, cfg.data.heldout_fraction, cfg.data.split_seed)
+    convs = {"train": train, "heldout": held}
+    for split in todo:
+      m = extract_features(lm.model, _Encoded(lm.tokenizer, convs[split], cfg.data.max_len),
+                           dirs[split], spec, max_rows=budget[split], progress=progress)
+      print(f"features[{split}]: {json.dumps(m['last_run'])}")
+  return dirs
+
+
+def _has_rows(path, rows):
+  """Whether the cache at ``path`` is finished and holds ``rows`` rows (or all the data)."""
+  try:
+    with open(os.path.join(path, "manifest.json")) as f:
+      m = json.load(f)
+  except (OSError, ValueError):
+    return False
+  have = sum(s["rows"] for s in m["shards"])
+  return bool(m.get("complete")) and (m.get("exhausted") or (rows is not None and have >= rows))
+
+
+def build_task(cfg: TrainConfig, lm, train_shards):
+  from eagle_jax.eagle_head import EagleHeadConfig, Frozen
+  from eagle_jax.eagle_train import EagleTask, draft_vocab_map
+
+  v3 = cfg.drafter == "eagle3"
+  layers = tuple(train_shards.spec["layers"]) if v3 else ()
+  e = cfg.eagle
+  head_cfg = EagleHeadConfig(version=3 if v3 else 1, target=lm.config, fuse_layers=layers,
+                             draft_vocab=e.draft_vocab if v3 else 0)
+  d2t = None
+  if v3 and e.draft_vocab:
+    d2t = draft_vocab_map(train_shards, e.draft_vocab, lm.config.vocab_size,
+                          always=lm.tokenizer.eos_token_ids)
+  return EagleTask(config=head_cfg, frozen=Frozen.of(lm.model), ttt_steps=e.ttt_steps,
+                   eval_steps=e.eval_steps, ce_weight=e.ce_weight, reg_weight=e.reg_weight,
+                   step_decay=e.step_decay, feature_noise=e.feature_noise, d2t=d2t)
+
+
+def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
+  from eagle_jax.features import FeatureShards
+  from eagle_jax.registry import load_model
+  from eagle_jax.train import train
+
+  cfg = load_config(TrainConfig, config_path, overrides)
+  run_dir = os.path.join(cfg.runs_dir, cfg.name)
+  os.makedirs(run_dir, exist_ok=True)
+  saved = os.path.join(run_dir, "config.yaml")
+  if os.path.isfile(saved):
+    before = to_dict(load_config(TrainConfig, saved))
+    same = lambda d: {k: v for k, v in d.items() if k not in ("loop", "tune")}
+    if same(before) != same(to_dict(cfg)):
+      raise EagleJaxError(f"{run_dir}: holds a run with a different config ({saved}); "
+                          "pick another name= or delete the folder")
+  dump_config(cfg, saved)
+  lm = load_model(cfg.model)
+  t0 = time.perf_counter()
+  dirs = feature_caches(cfg, lm, progress=progress)
+  feat_s = time.perf_counter() - t0
+  data = FeatureShards(dirs["train"], max_rows=cfg.data.train_rows or None)
+  held = FeatureShards(dirs["heldout"], max_rows=cfg.data.heldout_rows)
+  task = build_task(cfg, lm, data)
+  result = train(task, data, held, run_dir, cfg.loop, cfg.optim, progress=progress)
+  final = os.path.join(run_dir, "final")
+  export_head(result.module, final, {"drafter": cfg.drafter, "model": cfg.model,
+                                     "steps": result.steps, "train_tokens": result.tokens})
+  tuned = {}
+  if cfg.tune.enabled:
+    tuned = tune_run(final, lm, cfg)
+  summary = {"run_dir": run_dir, "final": final, "steps": result.steps,
+             "train_tokens": result.tokens, "resumed_from": result.resumed_from,
+             "feature_rows": data.num_rows, "feature_tokens": data.num_tokens,
+             "features_seconds": round(feat_s, 1), "train_seconds": round(result.seconds, 1),
+             **{k: round(v, 4) for k, v in result.last_eval.items()},
+             "budget": {k: v for k, v in tuned.items() if k not in ("by_depth", "verify_cost_ms")}}
+  with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  return summary
+
+
+def heldout_prompts(tokenizer, count: int, cfg: TrainConfig | None = None) -> list[list[int]]:
+  """First user turns of held-out ShareGPT conversations, as chat prompts."""
+  from eagle_jax.sharegpt import load_sharegpt, split_heldout
+
+  data = cfg.data if cfg else DataConfig()
+  convs = load_sharegpt().conversations
+  held = split_heldout(convs, data.heldout_fraction, data.split_seed)[1]
+  out = []
+  for c in held:
+    first = [m for m in c.messages if m["role"] == "user"][:1]
+    if first and 16 <= len(first[0]["content"]) <= 1500:
+      out.append(tokenizer.chat_prompt(first))
+    if len(out) == count:
+      break
+  return out
+
+
+def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
+  """Tunes the EAGLE-2 budget of the head in ``final`` and records it in ``drafter.json``."""
+  from eagle_jax.bench_spec import verify_cost_curve
+  from eagle_jax.budget import tune_budget
+
+  t = cfg.tune if cfg else TuneConfig()
+  head, meta = load_head(final)
+  prompts = heldout_prompts(lm.tokenizer, t.prompts, cfg)
+  grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)
+  sizes = tuple(n for n in grid if n <= t.max_nodes + 1) + tuple(
+      n for n in grid if n > t.max_nodes + 1)[:1]
+  result = tune_budget(head, lm.model, prompts, curve=verify_cost_curve(lm.model, sizes=sizes),
+                       top_k=t.top_k, depths=t.depths, max_nodes=t.max_nodes,
+                       max_new_tokens=t.max_new_tokens)
+  with open(os.path.join(final, "budget.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  meta["budget"] = {k: result[k] for k in ("top_k", "depth", "total_tokens", "predicted_tau",
+                                           "predicted_speedup")}
+  with open(os.path.join(final, "drafter.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+  print(f"budget: {json.dumps(meta['budget'])}")
+  return result
+
+
+def export_head(module, folder: str, meta: dict) -> None:
+  """Writes ``drafter.json`` (head config + meta) and ``params.safetensors``."""
+  from safetensors.numpy import save_file
+
+  os.makedirs(folder, exist_ok=True)
+  flat = {".".join(str(p) for p in path): np.asarray(v[...])
+          for path, v in nnx.to_flat_state(nnx.state(module))}
+  save_file(flat, os.path.join(folder, "params.safetensors"))
+  with open(os.path.join(folder, "drafter.json"), "w") as f:
+    json.dump({**meta, "head": module.config.to_dict()}, f, indent=1)
+
+
+def load_head(path: str):
+  """Loads an exported EAGLE head from ``path`` (a ``final/`` folder or its run folder)."""
+  from safetensors.numpy import load_file
+
+  from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
+
+  folder = path if os.path.isfile(os.path.join(path, "drafter.json")) else os.path.join(path, "final")
+  meta_path = os.path.join(folder, "drafter.json")
+  if not os.path.isfile(meta_path):
+    raise EagleJaxError(f"{path}: no trained drafter here (drafter.json missing; train one with "
+                        "eagle-jax train CONFIG)")
+  with open(meta_path) as f:
+    meta = json.load(f)
+  cfg = EagleHeadConfig.from_dict(meta["head"])
+  head = nnx.eval_shape(lambda: EagleHead(cfg, rngs=nnx.Rngs(0)))
+  tensors = load_file(os.path.join(folder, "params.safetensors"))
+  state = nnx.state(head)
+  for p, v in nnx.to_flat_state(state):
+    key = ".".join(str(x) for x in p)
+    if key not in tensors:
+      raise EagleJaxError(f"{folder}/params.safetensors: missing tensor {key!r}")
+    v.set_value(jax.numpy.asarray(tensors[key]))
+  nnx.update(head, state)
+  return head, meta

@@ -1,0 +1,129 @@
+"""EAGLE drafters with tiny models: lossless greedy and sampling, drafting == training unroll."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from eagle_jax.config import tiny_config
+from eagle_jax.drafters.eagle import EagleDrafter
+from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen
+from eagle_jax.eagle_train import unroll
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.generate import generate
+from eagle_jax.model import Transformer
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.speculative import features_of, speculative_generate
+from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
+
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9, 10, 11, 12, 7, 8, 9], [20, 21], [30, 31, 32, 33, 30]]
+TREES = {"static25": (TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES), {}),
+         "chain4": (TreeSpec.chain(4), {}),
+         "dynamic": (None, dict(top_k=3, depth=4, total_tokens=10))}
+
+
+def make_head(cfg, version, seed=1, draft_vocab=0):
+  if version == 1:
+    hc = EagleHeadConfig(1, cfg)
+    return EagleHead(hc, rngs=nnx.Rngs(seed))
+  hc = EagleHeadConfig(3, cfg, fuse_layers=(0, 1, cfg.num_layers), draft_vocab=draft_vocab)
+  d2t = np.sort(np.random.RandomState(seed).permutation(cfg.vocab_size)[:hc.vocab])
+  return EagleHead(hc, rngs=nnx.Rngs(seed), d2t=d2t)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("stop", [(), (5,)])
+def test_greedy_equals_vanilla_tiny(tiny, version, tree, stop):
+  target = tiny()
+  head = make_head(target.config, version, draft_vocab=96 if version == 3 else 0)
+  spec, kw = TREES[tree]
+  drafter, dparams = EagleDrafter.create(head, target, spec, **kw)
+  ref = generate(target, PROMPTS, max_new_tokens=30, stop_ids=stop)
+  ragged = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=30, stop_ids=stop)
+  assert ragged.tokens == ref.tokens and ragged.num_new == ref.num_new
+  alone = speculative_generate(target, drafter, dparams, PROMPTS[1:2], max_new_tokens=30, stop_ids=stop)
+  assert alone.tokens[0] == ref.tokens[1]
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_chain_drafting_equals_training_unroll(tiny, version):
+  """A drafted chain is what the training-time unroll predicts on the same tokens."""
+  target = tiny()
+  head = make_head(target.config, version, seed=2, draft_vocab=64 if version == 3 else 0)
+  drafter, dparams = EagleDrafter.create(head, target, TreeSpec.chain(3))
+  prompt = jnp.array([PROMPTS[1]], jnp.int32)
+  length = prompt.shape[1]
+  out = target(prompt, jnp.arange(length)[None], None, return_layers=drafter.feature_layers)
+  feats = features_of(out, drafter.feature_layers)
+  first = jnp.array([42], jnp.int32)
+  state = drafter.init(dparams, prompt, jnp.array([length]), feats, first, cache_len=64)
+  draft, _ = drafter.propose(dparams, state, first, jax.random.key(0), SamplingParams())
+  d = draft.tokens_BxN[0]
+  tokens = jnp.concatenate([prompt[0], first, d[:2]])[None]
+  t = tokens.shape[1]
+  pad = jnp.zeros((1, t - length, feats.shape[-1]))
+  outs = unroll(head, dparams[1], tokens, head.fuse_features(jnp.concatenate([feats, pad], 1)),
+                jnp.arange(t)[None], jnp.ones((1, t), jnp.int32), steps=3)
+  for j in range(3):
+    logits = head.logits(outs[j][:, length - 1], dparams[1])
+    assert int(head.to_target(jnp.argmax(logits, -1))[0]) == int(d[j])
+  np.testing.assert_allclose(state.frontier_BxD, outs[0][:, length - 1], atol=1e-5)
+
+
+def test_dynamic_tree_is_ancestor_closed_and_best_first(tiny):
+  target = tiny()
+  head = make_head(target.config, 1, seed=3)
+  drafter, dparams = EagleDrafter.create(head, target, None, top_k=4, depth=4, total_tokens=20)
+  prompt = jnp.array([PROMPTS[0], PROMPTS[0]], jnp.int32)
+  out = target(prompt, jnp.broadcast_to(jnp.arange(7), (2, 7)), None)
+  state = drafter.init(dparams, prompt, jnp.array([7, 5]), out.hidden_BxTxD, jnp.array([1, 2]), 64)
+  draft, _ = drafter.propose(dparams, state, jnp.array([1, 2]), jax.random.key(0), SamplingParams())
+  parents = np.asarray(draft.parents_BxN)
+  assert np.asarray(draft.valid_BxN).all()
+  assert (parents < np.arange(1, 21)[None]).all()  # topological
+  # depth-1 nodes are the head's top-k children of the root, best first
+  top = np.asarray(jax.lax.top_k(head.logits(state.frontier_BxD, dparams[1]), 4)[1])
+  for b in range(2):
+    roots = np.asarray(draft.tokens_BxN[b])[parents[b] == 0]
+    assert list(roots) == list(top[b][:len(roots)])
+
+
+def test_dynamic_tree_budget_is_checked(tiny):
+  with pytest.raises(EagleJaxError, match="total_tokens"):
+    EagleDrafter.create(make_head(tiny().config, 1), tiny(), None, top_k=2, depth=2, total_tokens=7)
+
+
+def _two_sample_chi2(a, b, cells):
+  ca, cb = np.bincount(a, minlength=cells), np.bincount(b, minlength=cells)
+  keep = (ca + cb) >= 10
+  na, nb = ca.sum(), cb.sum()
+  ca, cb = ca[keep], cb[keep]
+  return ((np.sqrt(nb / na) * ca - np.sqrt(na / nb) * cb) ** 2 / (ca + cb)).sum(), keep.sum() - 1
+
+
+@pytest.mark.parametrize("version,tree", [(1, "static25"), (1, "dynamic"), (3, "dynamic")])
+def test_sampling_is_lossless(version, tree):
+  """Sampled continuations (tokens 2-3): EAGLE speculative vs vanilla, two-sample chi-square."""
+  vocab = 12
+  target = Transformer(tiny_config(vocab_size=vocab), rngs=nnx.Rngs(0))
+  head = make_head(target.config, version, seed=4, draft_vocab=8 if version == 3 else 0)
+  spec, kw = TREES[tree]
+  drafter, dparams = EagleDrafter.create(head, target, spec, **kw)
+  params = SamplingParams(temperature=1.0, top_k=8)
+  prompts = [[1, 2, 3, 1, 2]] * 6000
+  ref = generate(target, prompts, max_new_tokens=3, params=params, seed=1, stop_ids=())
+  got = speculative_generate(target, drafter, dparams, prompts, max_new_tokens=3, params=params,
+                             seed=2, stop_ids=())
+  pair = lambda g: np.array([t[1] * vocab + t[2] for t in g.tokens])
+  chi2, dof = _two_sample_chi2(pair(ref), pair(got), vocab * vocab)
+  assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+  assert got.tau > 1.0
+
+
+def test_frozen_arrays_are_the_targets(tiny):
+  target = tiny(tie_word_embeddings=False)
+  frozen = Frozen.of(target)
+  assert frozen.embed_VxD is target.embed[...]
+  assert frozen.lm_head_VxD is target.lm_head.weight[...]

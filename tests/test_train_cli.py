@@ -1,0 +1,81 @@
+"""``eagle-jax train`` end to end on the real default model (tiny budget), then decoding with it."""
+
+import json
+
+import pytest
+
+from eagle_jax.cli import main
+
+CONFIG = """
+name: {name}
+drafter: {drafter}
+runs_dir: {runs}
+data: {{train_rows: 8, heldout_rows: 4, row_len: 128, max_len: 128}}
+features: {{rows_per_shard: 4, batch_rows: 4}}
+loop: {{epochs: 1, batch_rows: 2, log_every: 1, eval_every: 0, eval_rows: 4, ckpt_every: 2}}
+tune: {{enabled: {tune}, prompts: 1, max_new_tokens: 8, top_k: 3, depths: [2, 3], max_nodes: 7}}
+eagle: {{ttt_steps: {ttt}, draft_vocab: {vocab}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  runs = tmp_path_factory.mktemp("runs")
+  out = {}
+  for drafter, tune, ttt, vocab in [("eagle1", "true", 1, 0), ("eagle3", "false", 2, 4096)]:
+    path = runs / f"{drafter}.yaml"
+    path.write_text(CONFIG.format(name=f"tiny-{drafter}", drafter=drafter, runs=runs, tune=tune,
+                                  ttt=ttt, vocab=vocab))
+    assert main(["train", str(path)]) == 0
+    out[drafter] = path
+  return runs, out
+
+
+def _generate(capsys, *flags):
+  capsys.readouterr()
+  assert main(["generate", "--json", "--max-new-tokens", "24", *flags,
+               "Name three colors and one fruit."]) == 0
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_train_then_generate_with_every_eagle_drafter(trained, capsys):
+  runs, configs = trained
+  summary = json.loads((runs / "tiny-eagle1" / "summary.json").read_text())
+  assert summary["steps"] == 4 and summary["feature_rows"] == 8
+  assert summary["budget"]["depth"] in (2, 3) and 1 <= summary["budget"]["total_tokens"] <= 7
+  drafter = json.loads((runs / "tiny-eagle1" / "final" / "drafter.json").read_text())
+  assert drafter["budget"]["total_tokens"] == summary["budget"]["total_tokens"]
+  vanilla = _generate(capsys)
+  for name in ("eagle1", "eagle2", "eagle3"):
+    got = _generate(capsys, "--drafter", name, "--runs-dir", str(runs))
+    assert got["token_ids"] == vanilla["token_ids"], name
+    assert got["tau"] >= 1.0
+  explicit = _generate(capsys, "--drafter", "eagle2", "--drafter-ckpt", str(runs / "tiny-eagle1"),
+                       "--total-tokens", "5", "--depth", "2", "--top-k-tree", "3")
+  assert explicit["token_ids"] == vanilla["token_ids"]
+
+
+def test_rerun_reuses_finished_run_and_features(trained, capsys):
+  runs, configs = trained
+  capsys.readouterr()
+  assert main(["train", str(configs["eagle3"])]) == 0
+  summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert summary["resumed_from"] == 4 and summary["features_seconds"] < 5
+
+
+def test_train_errors_are_one_line(trained, tmp_path, capsys):
+  runs, configs = trained
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("name: x\ndrafter: eagle1\noptim: {lrr: 1}\n")
+  capsys.readouterr()
+  assert main(["train", str(bad)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "unknown key 'optim.lrr'" in err and len(err.splitlines()) == 1
+  assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+  assert "missing.yaml" in capsys.readouterr().err
+  assert main(["train", str(configs["eagle1"]), "data.max_len=256"]) == 2  # > row_len
+  assert "max_len" in capsys.readouterr().err
+  assert main(["generate", "--drafter", "eagle3", "--drafter-ckpt", str(runs / "tiny-eagle1"), "hi"]) == 2
+  assert "EAGLE-1 head" in capsys.readouterr().err
+  assert main(["generate", "--drafter", "eagle1", "--runs-dir", str(tmp_path), "hi"]) == 2
+  assert "no trained eagle1 head" in capsys.readouterr().err
