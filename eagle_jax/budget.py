@@ -71,33 +71,35 @@ def draft_cost_ms(drafter: EagleDrafter, dparams, target, prompt, repeats: int =
 
 
 def tune_budget(head, target, prompts, *, curve: dict[int, float], top_k: int = 8,
-                depths=(4, 5, 6, 7), max_nodes: int = 64, max_new_tokens: int = 64) -> dict:
-  """Best ``(total_tokens, depth)`` by predicted tokens/s; returns the choice and the tables."""
+                depths=(4, 5, 6, 7), max_nodes: int = 64, max_new_tokens: int = 64,
+                top_ks=None) -> dict:
+  """Best ``(top_k, depth, total_tokens)`` by predicted tokens/s, with the tables behind it."""
   best, table = None, {}
-  for depth in depths:
-    pool = top_k + (depth - 1) * top_k ** 2
-    n_max = min(max_nodes, pool, max(curve) - 1)
-    drafter, dparams = EagleDrafter.create(head, target, None, top_k=top_k, depth=depth,
-                                           total_tokens=n_max)
-    gen = speculative_generate(target, drafter, dparams, prompts, max_new_tokens=max_new_tokens,
-                               stop_ids=())
-    tau = tau_by_budget(gen.accepted_slots, n_max)
-    d_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
-    xs = sorted(curve)
-    rows = []
-    for n in range(1, n_max + 1):
-      cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + d_ms
-      rows.append({"total_tokens": n, "tau": round(float(tau[n]), 3),
-                   "ms_per_step": round(cost, 2), "tokens_per_s": round(1000 * tau[n] / cost, 2)})
-    table[depth] = {"draft_ms": round(d_ms, 2), "rows": rows}
-    top = max(rows, key=lambda r: r["tokens_per_s"])
-    if best is None or top["tokens_per_s"] > best["tokens_per_s"]:
-      best = dict(top, depth=depth, top_k=top_k)
+  for k in (top_ks or (top_k,)):
+    for depth in depths:
+      pool = k + (depth - 1) * k ** 2
+      n_max = min(max_nodes, pool, max(curve) - 1)
+      drafter, dparams = EagleDrafter.create(head, target, None, top_k=k, depth=depth,
+                                             total_tokens=n_max)
+      gen = speculative_generate(target, drafter, dparams, prompts, max_new_tokens=max_new_tokens,
+                                 stop_ids=())
+      tau = tau_by_budget(gen.accepted_slots, n_max)
+      d_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
+      xs = sorted(curve)
+      rows = []
+      for n in range(1, n_max + 1):
+        cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + d_ms
+        rows.append({"total_tokens": n, "tau": round(float(tau[n]), 3),
+                     "ms_per_step": round(cost, 2), "tokens_per_s": round(1000 * tau[n] / cost, 2)})
+      table[f"top_k={k},depth={depth}"] = {"draft_ms": round(d_ms, 2), "rows": rows}
+      top = max(rows, key=lambda r: r["tokens_per_s"])
+      if best is None or top["tokens_per_s"] > best["tokens_per_s"]:
+        best = dict(top, depth=depth, top_k=k)
   vanilla = 1000 / curve[1]
   return {"top_k": best["top_k"], "depth": best["depth"], "total_tokens": best["total_tokens"],
           "predicted_tau": best["tau"], "predicted_tokens_per_s": best["tokens_per_s"],
           "vanilla_tokens_per_s": round(vanilla, 2),
           "predicted_speedup": round(best["tokens_per_s"] / vanilla, 3),
-          "verify_cost_ms": curve, "by_depth": table,
-          "method": "greedy run at the largest budget per depth; tau(n) from best-first slots; "
-                    "cost = verify c(n+1) + timed draft propose/update"}
+          "verify_cost_ms": curve, "by_setting": table,
+          "method": "greedy run at the largest budget per (top_k, depth); tau(n) from best-first "
+                    "slots; cost = verify c(n+1) + timed draft propose/update"}

@@ -80,7 +80,7 @@ def _cmd_tune(args) -> None:
   lm = load_model(args.model)
   cfg = TrainConfig(name="tune", drafter="eagle1", tune=TuneConfig(prompts=args.prompts))
   result = tune_run(args.checkpoint, lm, cfg)
-  print(json.dumps({k: v for k, v in result.items() if k != "by_depth"}))
+  print(json.dumps({k: v for k, v in result.items() if k != "by_setting"}))
 
 
 def _cmd_demo(args) -> None:

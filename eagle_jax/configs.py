@@ -162,8 +162,8 @@ def parse_overrides(items: Sequence[str], *, where: str = "overrides") -> dict:
   return out
 
 
-def load_config(cls: type[T], path: str, overrides: Sequence[str] = ()) -> T:
-  """Reads YAML at ``path``, applies ``key=value`` overrides, validates into ``cls``."""
+def read_yaml(path: str) -> dict:
+  """The mapping in a YAML file, read with this module's rules (one-line errors)."""
   try:
     with open(path, encoding="utf-8") as f:
       data = yaml.load(f, Loader=_Loader)
@@ -174,6 +174,12 @@ def load_config(cls: type[T], path: str, overrides: Sequence[str] = ()) -> T:
   data = {} if data is None else data  # an empty file: all defaults
   if not isinstance(data, dict):
     raise EagleJaxError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+  return data
+
+
+def load_config(cls: type[T], path: str, overrides: Sequence[str] = ()) -> T:
+  """Reads YAML at ``path``, applies ``key=value`` overrides, validates into ``cls``."""
+  data = read_yaml(path)
   for item in overrides:
     _set(data, *_split(item, path))  # an unknown key is then reported by from_dict
   return from_dict(cls, data, where=path)

@@ -6,8 +6,9 @@ first input norm skipped) and reads tokens off it with an LM head:
 
 - **EAGLE-1**: feature = the target's top hidden state (after the final norm); the head's
   output goes straight into the target's frozen LM head.
-- **EAGLE-3**: feature = ``fuse(concat(low, mid, high))`` of three target layers
-  (``Linear(3h -> h)``); when drafting deeper the head's own output is fed back instead.
+- **EAGLE-3**: feature = ``fuse(concat(norm(low), norm(mid), norm(high)))`` of three target
+  layers (``Linear(3h -> h)``); when drafting deeper the head's own output is fed back instead;
+  either passes ``hidden_norm`` before ``fc``.
   The output passes a norm and a trainable LM head over a reduced draft vocabulary; ``d2t``
   maps draft ids to target ids.
 
@@ -97,7 +98,13 @@ class EagleHead(nnx.Module):
   def __init__(self, config: EagleHeadConfig, *, rngs: nnx.Rngs, d2t=None, lm_head_init=None):
     c, d = config, config.target.hidden_size
     self.config = config
-    self.fuse = Linear(len(c.fuse_layers) * d, d, bias=False, rngs=rngs) if c.version == 3 else None
+    v3 = c.version == 3
+    # EAGLE-3 reads raw residual streams (rms in the hundreds, outlier dims in the 10^4s for
+    # SmolLM2): each is RMS-normalised before fusion, and every step's input feature (fused, or
+    # the head's own previous output) passes a norm, as in EAGLE-3's reference design.
+    self.fuse_norms = nnx.List([RMSNorm(d, c.target.rms_norm_eps) for _ in c.fuse_layers]) if v3 else None
+    self.fuse = Linear(len(c.fuse_layers) * d, d, bias=False, rngs=rngs) if v3 else None
+    self.hidden_norm = RMSNorm(d, c.target.rms_norm_eps) if v3 else None
     self.fc = Linear(2 * d, d, bias=True, rngs=rngs)
     self.layer = DecoderLayer(c.target, rngs=rngs, skip_input_norm=True)
     self.norm = RMSNorm(d, c.target.rms_norm_eps) if c.version == 3 else None
@@ -115,11 +122,16 @@ class EagleHead(nnx.Module):
 
   def fuse_features(self, f_BxTxF: jax.Array) -> jax.Array:
     """Target features as the engine hands them -> the head's input feature ``[.., D]``."""
-    return f_BxTxF if self.fuse is None else self.fuse(f_BxTxF)
+    if self.fuse is None:
+      return f_BxTxF
+    parts = jnp.split(f_BxTxF, len(self.fuse_norms), axis=-1)
+    return self.fuse(jnp.concatenate([n(p) for n, p in zip(self.fuse_norms, parts)], axis=-1))
 
   def __call__(self, tokens_BxT, feature_BxTxD, positions_BxT, bias_BxTxS, frozen: Frozen,
                kv=None, slots_BxT=None):
     """One head step over T inputs; returns ``(output_BxTxD, new (k, v))``."""
+    if self.hidden_norm is not None:
+      feature_BxTxD = self.hidden_norm(feature_BxTxD)
     e_BxTxD = jnp.take(frozen.embed_VxD, tokens_BxT, axis=0).astype(feature_BxTxD.dtype)
     x_BxTxD = self.fc(jnp.concatenate([e_BxTxD, feature_BxTxD], axis=-1))
     cos, sin = rope_tables(self.config.target, positions_BxT, x_BxTxD.dtype)

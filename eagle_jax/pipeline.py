@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from eagle_jax.configs import dump_config, load_config, to_dict
+from eagle_jax.configs import dump_config, load_config, read_yaml, to_dict
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.train import LoopConfig, OptimConfig
 
@@ -68,9 +68,20 @@ class TuneConfig:
   enabled: bool = True
   prompts: int = 4  # held-out ShareGPT first turns
   max_new_tokens: int = 48
-  top_k: int = 8
+  top_ks: tuple[int, ...] = (4, 8)
   depths: tuple[int, ...] = (4, 6)
   max_nodes: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEvalConfig:
+  """Real acceptance during training: decode held-out ShareGPT prompts with the head."""
+
+  prompts: int = 4  # 0 = off (only the teacher-forced tau proxy)
+  max_new_tokens: int = 48
+  top_k: int = 8  # EAGLE-2 dynamic tree used for the measurement
+  depth: int = 5
+  total_tokens: int = 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +96,7 @@ class TrainConfig:
   optim: OptimConfig = OptimConfig()
   loop: LoopConfig = LoopConfig()
   tune: TuneConfig = TuneConfig()
+  decode_eval: DecodeEvalConfig = DecodeEvalConfig()
 
   def validate(self):
     if self.drafter == "eagle1" and (self.eagle.draft_vocab or self.eagle.ttt_steps != 1):
@@ -174,9 +186,9 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   run_dir = os.path.join(cfg.runs_dir, cfg.name)
   os.makedirs(run_dir, exist_ok=True)
   saved = os.path.join(run_dir, "config.yaml")
-  if os.path.isfile(saved):
-    before = to_dict(load_config(TrainConfig, saved))
-    same = lambda d: {k: v for k, v in d.items() if k not in ("loop", "tune")}
+  if os.path.isfile(saved):  # compare what decides the trained weights, as plain data
+    before = read_yaml(saved)
+    same = lambda d: {k: d.get(k) for k in ("drafter", "model", "data", "features", "eagle", "optim")}
     if same(before) != same(to_dict(cfg)):
       raise EagleJaxError(f"{run_dir}: holds a run with a different config ({saved}); "
                           "pick another name= or delete the folder")
@@ -188,7 +200,8 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   data = FeatureShards(dirs["train"], max_rows=cfg.data.train_rows or None)
   held = FeatureShards(dirs["heldout"], max_rows=cfg.data.heldout_rows)
   task = build_task(cfg, lm, data)
-  result = train(task, data, held, run_dir, cfg.loop, cfg.optim, progress=progress)
+  result = train(task, data, held, run_dir, cfg.loop, cfg.optim, progress=progress,
+                 eval_hook=decode_eval_hook(cfg, lm))
   final = os.path.join(run_dir, "final")
   export_head(result.module, final, {"drafter": cfg.drafter, "model": cfg.model,
                                      "steps": result.steps, "train_tokens": result.tokens})
@@ -200,10 +213,30 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
              "feature_rows": data.num_rows, "feature_tokens": data.num_tokens,
              "features_seconds": round(feat_s, 1), "train_seconds": round(result.seconds, 1),
              **{k: round(v, 4) for k, v in result.last_eval.items()},
-             "budget": {k: v for k, v in tuned.items() if k not in ("by_depth", "verify_cost_ms")}}
+             "budget": {k: v for k, v in tuned.items() if k not in ("by_setting", "verify_cost_ms")}}
   with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
   return summary
+
+
+def decode_eval_hook(cfg: TrainConfig, lm):
+  """``module -> {"heldout_tau": ...}``: greedy EAGLE-2 decoding of held-out prompts."""
+  from eagle_jax.drafters.eagle import EagleDrafter
+  from eagle_jax.speculative import speculative_generate
+
+  d = cfg.decode_eval
+  if not d.prompts:
+    return None
+  prompts = heldout_prompts(lm.tokenizer, d.prompts, cfg)
+
+  def hook(head):
+    drafter, dparams = EagleDrafter.create(head, lm.model, None, top_k=d.top_k, depth=d.depth,
+                                           total_tokens=d.total_tokens)
+    gen = speculative_generate(lm.model, drafter, dparams, prompts,
+                               max_new_tokens=d.max_new_tokens, stop_ids=())
+    alphas = gen.n_alpha(3)
+    return {"heldout_tau": gen.tau, **{f"heldout_alpha_{i + 1}": a for i, a in enumerate(alphas)}}
+  return hook
 
 
 def heldout_prompts(tokenizer, count: int, cfg: TrainConfig | None = None) -> list[list[int]]:
@@ -235,7 +268,7 @@ def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
   sizes = tuple(n for n in grid if n <= t.max_nodes + 1) + tuple(
       n for n in grid if n > t.max_nodes + 1)[:1]
   result = tune_budget(head, lm.model, prompts, curve=verify_cost_curve(lm.model, sizes=sizes),
-                       top_k=t.top_k, depths=t.depths, max_nodes=t.max_nodes,
+                       top_ks=t.top_ks, depths=t.depths, max_nodes=t.max_nodes,
                        max_new_tokens=t.max_new_tokens)
   with open(os.path.join(final, "budget.json"), "w") as f:
     json.dump(result, f, indent=1)

@@ -19,7 +19,7 @@ import json
 import os
 import signal
 import time
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +118,10 @@ def _to_device(rows: dict) -> dict:
 
 def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_dir: str,
           loop: LoopConfig = LoopConfig(), optim: OptimConfig = OptimConfig(), *,
-          progress: bool = True, extra_meta: dict | None = None) -> TrainResult:
+          progress: bool = True, extra_meta: dict | None = None,
+          eval_hook: Callable[[nnx.Module], dict] | None = None) -> TrainResult:
+  """Trains ``task`` on ``data``; ``eval_hook(module)`` adds metrics at each evaluation (e.g.
+  acceptance measured by decoding held-out prompts)."""
   from tqdm import tqdm
 
   if data.num_rows < loop.batch_rows:
@@ -182,7 +185,10 @@ def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_di
       for k, v in m.items():
         sums[k] = sums.get(k, 0.0) + float(v)
       batches += 1
-    return {f"heldout_{k}": v / max(batches, 1) for k, v in sums.items()}
+    out = {f"heldout_{k}": v / max(batches, 1) for k, v in sums.items()}
+    if eval_hook is not None:
+      out.update(eval_hook(nnx.merge(graphdef, params, rest)))
+    return out
 
   def checkpoint():
     meta = {"step": step, "tokens": tokens, "total_steps": total,

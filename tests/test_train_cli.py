@@ -13,8 +13,9 @@ runs_dir: {runs}
 data: {{train_rows: 8, heldout_rows: 4, row_len: 128, max_len: 128}}
 features: {{rows_per_shard: 4, batch_rows: 4}}
 loop: {{epochs: 1, batch_rows: 2, log_every: 1, eval_every: 0, eval_rows: 4, ckpt_every: 2}}
-tune: {{enabled: {tune}, prompts: 1, max_new_tokens: 8, top_k: 3, depths: [2, 3], max_nodes: 7}}
+tune: {{enabled: {tune}, prompts: 1, max_new_tokens: 8, top_ks: [2, 3], depths: [2, 3], max_nodes: 7}}
 eagle: {{ttt_steps: {ttt}, draft_vocab: {vocab}}}
+decode_eval: {{prompts: 1, max_new_tokens: 8, top_k: 3, depth: 2, total_tokens: 4}}
 """
 
 
@@ -42,6 +43,7 @@ def test_train_then_generate_with_every_eagle_drafter(trained, capsys):
   runs, configs = trained
   summary = json.loads((runs / "tiny-eagle1" / "summary.json").read_text())
   assert summary["steps"] == 4 and summary["feature_rows"] == 8
+  assert summary["heldout_tau"] >= 1.0 and "heldout_tau_proxy" in summary
   assert summary["budget"]["depth"] in (2, 3) and 1 <= summary["budget"]["total_tokens"] <= 7
   drafter = json.loads((runs / "tiny-eagle1" / "final" / "drafter.json").read_text())
   assert drafter["budget"]["total_tokens"] == summary["budget"]["total_tokens"]
