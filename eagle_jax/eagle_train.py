@@ -115,6 +115,7 @@ def eagle_loss(head: EagleHead, frozen: Frozen, batch, key, *, steps, train, tas
   valid_all = jnp.ones((b, t), bool)
   for j, out in enumerate(outs):
     valid = (_shift(seg, 1 + j) == seg) & (seg > 0) & _shift(batch["loss_mask"], 1 + j, False)
+    valid_all = valid_all & valid  # chain proxy: an out-of-vocabulary target is a miss, not a skip
     logits = head.logits(out, frozen)
     h_u = jax.lax.stop_gradient(_shift(hidden, 1 + j))
     am_u = _shift(batch["target_argmax"], 1 + j)
@@ -142,7 +143,6 @@ def eagle_loss(head: EagleHead, frozen: Frozen, batch, key, *, steps, train, tas
     follows = (_shift(tokens, 1 + j) == _shift(batch["target_argmax"], j)) if j else True
     accept_run = accept_run & hit & follows
     chain_ok = chain_ok + accept_run
-    valid_all = valid_all & valid
   wa = valid_all.astype(jnp.float32)
   metrics["tau_proxy"] = 1.0 + (chain_ok * wa).sum() / jnp.maximum(wa.sum(), 1.0)
   return total, metrics

@@ -98,7 +98,7 @@ def _forward_fn(graphdef, layers):
 
 def _write_shard(root: str, index: int, arrays: dict) -> str:
   name = f"shard_{index:05d}"
-  tmp = os.path.join(root, name + ".tmp")
+  tmp = os.path.join(root, f"{name}.tmp{os.getpid()}")
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   for k, v in arrays.items():
@@ -124,7 +124,7 @@ def read_manifest(root: str) -> dict:
 
 
 def _save_manifest(root: str, manifest: dict) -> None:
-  tmp = os.path.join(root, "manifest.json.tmp")
+  tmp = os.path.join(root, f"manifest.json.tmp{os.getpid()}")
   with open(tmp, "w") as f:
     json.dump(manifest, f, indent=1)
   os.replace(tmp, os.path.join(root, "manifest.json"))
@@ -154,11 +154,20 @@ def extract_features(model, encoded: Sequence[tuple[np.ndarray, np.ndarray]], ro
   """Extracts (or resumes extracting) features of ``encoded`` examples into ``root``.
 
   ``encoded``: ``(tokens, loss_mask)`` per conversation, in a fixed order. Returns the manifest,
-  with throughput and model-FLOP utilisation of the run.
+  with throughput and model-FLOP utilisation of the run (``last_run``). One writer at a time:
+  a second process waits on ``root/.lock`` and then sees the first one's shards.
   """
-  from tqdm import tqdm
+  import fcntl
 
   os.makedirs(root, exist_ok=True)
+  with open(os.path.join(root, ".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return _extract_locked(model, encoded, root, spec, max_rows, progress)
+
+
+def _extract_locked(model, encoded, root, spec, max_rows, progress) -> dict:
+  from tqdm import tqdm
+
   mpath = os.path.join(root, "manifest.json")
   manifest = read_manifest(root) if os.path.isfile(mpath) else None
   if manifest is not None and manifest["spec_key"] != spec.key():
@@ -169,7 +178,9 @@ def extract_features(model, encoded: Sequence[tuple[np.ndarray, np.ndarray]], ro
                 "complete": False, "exhausted": False}
   total_rows = sum(s["rows"] for s in manifest["shards"])
   if manifest.get("exhausted") or (max_rows is not None and total_rows >= max_rows):
-    manifest["complete"] = True  # a larger budget later extends the cache
+    if not manifest["complete"]:  # killed after the last shard, before it was marked
+      manifest["complete"] = True
+      _save_manifest(root, manifest)
     return manifest
   start = manifest["shards"][-1]["next_example"] if manifest["shards"] else 0
   budget = None if max_rows is None else max_rows - total_rows
@@ -180,7 +191,6 @@ def extract_features(model, encoded: Sequence[tuple[np.ndarray, np.ndarray]], ro
   rows_iter = pack_rows(examples, spec.row_len)
   bar = tqdm(total=max_rows, initial=total_rows, unit="row", disable=not progress,
              desc="features")
-  buffer: list[dict] = []
   tokens_done, seconds, finished = 0, 0.0, False
   next_example = start
   while not finished:
@@ -221,9 +231,11 @@ def extract_features(model, encoded: Sequence[tuple[np.ndarray, np.ndarray]], ro
     name = _write_shard(root, len(manifest["shards"]), batch)
     manifest["shards"].append({"name": name, "rows": len(rows), "next_example": next_example,
                                "tokens": int((batch["segments"] > 0).sum())})
+    manifest["complete"] = False  # until the budget is reached (a reader must not use it yet)
     _save_manifest(root, manifest)
   bar.close()
   manifest["complete"] = True
+  _save_manifest(root, manifest)
   context = spec.max_len / 2
   flops = model_flops_per_token(model.config, context) * tokens_done
   peak = matmul_flops_per_s()

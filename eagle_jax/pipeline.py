@@ -131,7 +131,8 @@ def feature_caches(cfg: TrainConfig, lm, *, progress=True):
   spec = FeatureSpec(model=cfg.model, row_len=cfg.data.row_len, max_len=cfg.data.max_len,
                      layers=tuple(layers), rows_per_shard=cfg.features.rows_per_shard,
                      batch_rows=cfg.features.batch_rows)
-  tag = f"{os.path.basename(cfg.model.rstrip('/'))}-{spec.key()}-split{cfg.data.split_seed}"
+  tag = (f"{os.path.basename(cfg.model.rstrip('/'))}-sharegpt-{spec.key()}-split"
+         f"{cfg.data.split_seed}-held{cfg.data.heldout_fraction}")
   root = os.path.join(cfg.runs_dir, "features", tag)
   dirs = {"train": os.path.join(root, "train"), "heldout": os.path.join(root, "heldout")}
   budget = {"train": cfg.data.train_rows or None, "heldout": cfg.data.heldout_rows}
@@ -144,7 +145,8 @@ def feature_caches(cfg: TrainConfig, lm, *, progress=True):
     for split in todo:
       m = extract_features(lm.model, _Encoded(lm.tokenizer, convs[split], cfg.data.max_len),
                            dirs[split], spec, max_rows=budget[split], progress=progress)
-      print(f"features[{split}]: {json.dumps(m['last_run'])}")
+      if m.get("last_run"):
+        print(f"features[{split}]: {json.dumps(m['last_run'])}")
   return dirs
 
 
@@ -188,7 +190,8 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   saved = os.path.join(run_dir, "config.yaml")
   if os.path.isfile(saved):  # compare what decides the trained weights, as plain data
     before = read_yaml(saved)
-    same = lambda d: {k: d.get(k) for k in ("drafter", "model", "data", "features", "eagle", "optim")}
+    same = lambda d: ({k: d.get(k) for k in ("drafter", "model", "data", "features", "eagle", "optim")},
+                      {k: d.get("loop", {}).get(k) for k in ("seed", "batch_rows", "epochs")})
     if same(before) != same(to_dict(cfg)):
       raise EagleJaxError(f"{run_dir}: holds a run with a different config ({saved}); "
                           "pick another name= or delete the folder")

@@ -225,6 +225,8 @@ def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_di
       if step == fault:
         mngr.wait_until_finished()
         os.kill(os.getpid(), signal.SIGKILL)
+  if not last_eval:  # a finished run re-run: nothing trained, report its evaluation again
+    last_eval = evaluate()
   mngr.wait_until_finished()
   mngr.close()
   bar.close()
@@ -233,14 +235,23 @@ def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_di
                      last_eval=last_eval, seconds=time.perf_counter() - t_start)
 
 
+def _parse(line: str):
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError:  # a line torn by a kill
+    return None
+
+
 def _truncate_metrics(path: str, step: int) -> None:
-  """Drops records written after the checkpoint a resumed run restarts from."""
+  """Drops records written after the checkpoint a resumed run restarts from (atomically)."""
   if not os.path.isfile(path):
     return
   with open(path) as f:
-    lines = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= step]
-  with open(path, "w") as f:
+    lines = [l for l in f if (r := _parse(l)) is not None and r.get("step", 0) <= step]
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
     f.writelines(lines)
+  os.replace(tmp, path)
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
@@ -248,4 +259,4 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
   if not os.path.isfile(path):
     return []
   with open(path) as f:
-    return [json.loads(l) for l in f if l.strip()]
+    return [r for l in f if (r := _parse(l)) is not None]

@@ -46,6 +46,17 @@ def test_extraction_resumes_and_extends(tmp_path):
   assert ra["hidden"].dtype.name == "bfloat16" and ra["layers"].shape[2] == 3
 
 
+def test_cache_killed_before_marked_complete_recovers(tmp_path):
+  root = tmp_path / "a"
+  tiny_training.make_features(str(root), max_rows=5)
+  m = json.loads((root / "manifest.json").read_text())
+  m["complete"] = False  # as if killed between the last shard and the final manifest write
+  (root / "manifest.json").write_text(json.dumps(m))
+  tiny_training.make_features(str(root), max_rows=5)
+  assert json.loads((root / "manifest.json").read_text())["complete"]
+  assert FeatureShards(str(root)).num_rows == 5
+
+
 def test_batches_are_a_function_of_step():
   a = [tuple(batch_rows_at(s, 10, 3, seed=1)) for s in range(9)]
   assert a == [tuple(batch_rows_at(s, 10, 3, seed=1)) for s in range(9)]

@@ -63,6 +63,7 @@ def test_rerun_reuses_finished_run_and_features(trained, capsys):
   assert main(["train", str(configs["eagle3"])]) == 0
   summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert summary["resumed_from"] == 4 and summary["features_seconds"] < 5
+  assert "heldout_loss" in summary  # a finished run re-run still reports its evaluation
 
 
 def test_train_errors_are_one_line(trained, tmp_path, capsys):
