@@ -78,7 +78,10 @@ def _cmd_tune(args) -> None:
   from eagle_jax.registry import load_model
 
   lm = load_model(args.model)
-  cfg = TrainConfig(name="tune", drafter="eagle1", tune=TuneConfig(prompts=args.prompts))
+  ints = lambda text: tuple(int(x) for x in text.split(",") if x.strip())
+  cfg = TrainConfig(name="tune", drafter="eagle1", tune=TuneConfig(
+      prompts=args.prompts, top_ks=ints(args.top_ks), depths=ints(args.depths),
+      max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens))
   result = tune_run(args.checkpoint, lm, cfg)
   print(json.dumps({k: v for k, v in result.items() if k != "by_setting"}))
 
@@ -165,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
   tu = sub.add_parser("tune", help="pick an EAGLE-2 tree budget for this machine")
   tu.add_argument("checkpoint", help="trained run folder or its final/")
   tu.add_argument("--model", default=DEFAULT_MODEL)
-  tu.add_argument("--prompts", type=int, default=4)
+  tu.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT prompts decoded")
+  tu.add_argument("--top-ks", default="4,8", help="comma-separated top_k values to try")
+  tu.add_argument("--depths", default="4,6", help="comma-separated depths to try")
+  tu.add_argument("--max-nodes", type=int, default=64, help="largest total_tokens considered")
+  tu.add_argument("--max-new-tokens", type=int, default=48)
   tu.set_defaults(func=_cmd_tune)
 
   d = sub.add_parser("demo", help="chat answers to a few MT-bench questions")

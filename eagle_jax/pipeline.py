@@ -265,6 +265,7 @@ def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
   from eagle_jax.budget import tune_budget
 
   t = cfg.tune if cfg else TuneConfig()
+  final = final_folder(final)
   head, meta = load_head(final)
   prompts = heldout_prompts(lm.tokenizer, t.prompts, cfg)
   grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)
@@ -295,13 +296,18 @@ def export_head(module, folder: str, meta: dict) -> None:
     json.dump({**meta, "head": module.config.to_dict()}, f, indent=1)
 
 
+def final_folder(path: str) -> str:
+  """``path`` itself if it holds an exported drafter, else its ``final/`` (a run folder)."""
+  return path if os.path.isfile(os.path.join(path, "drafter.json")) else os.path.join(path, "final")
+
+
 def load_head(path: str):
   """Loads an exported EAGLE head from ``path`` (a ``final/`` folder or its run folder)."""
   from safetensors.numpy import load_file
 
   from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
 
-  folder = path if os.path.isfile(os.path.join(path, "drafter.json")) else os.path.join(path, "final")
+  folder = final_folder(path)
   meta_path = os.path.join(folder, "drafter.json")
   if not os.path.isfile(meta_path):
     raise EagleJaxError(f"{path}: no trained drafter here (drafter.json missing; train one with "

@@ -57,6 +57,19 @@ def test_train_then_generate_with_every_eagle_drafter(trained, capsys):
   assert explicit["token_ids"] == vanilla["token_ids"]
 
 
+def test_tune_command_rewrites_the_budget_of_a_run(trained, capsys):
+  runs, _ = trained
+  capsys.readouterr()
+  assert main(["tune", str(runs / "tiny-eagle3"), "--prompts", "1", "--top-ks", "2",
+               "--depths", "2", "--max-nodes", "5", "--max-new-tokens", "8"]) == 0
+  result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert (result["top_k"], result["depth"]) == (2, 2) and 1 <= result["total_tokens"] <= 5
+  meta = json.loads((runs / "tiny-eagle3" / "final" / "drafter.json").read_text())
+  assert meta["budget"]["total_tokens"] == result["total_tokens"]
+  assert (runs / "tiny-eagle3" / "final" / "budget.json").is_file()
+  assert not (runs / "tiny-eagle3" / "drafter.json").exists()
+
+
 def test_rerun_reuses_finished_run_and_features(trained, capsys):
   runs, configs = trained
   capsys.readouterr()
