@@ -43,14 +43,19 @@ def verify_cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 192, 
     cache = KVCache.init(model.config, 1, prefix + 64 + n, model.embed.dtype)
     cache = cache.replace(lengths_B=jnp.array([prefix], jnp.int32))
     tokens = jnp.ones((1, n), jnp.int32)
-    jax.block_until_ready(forward(state, tokens, cache))
-    times = []
-    for _ in range(repeats):
-      t = time.perf_counter()
-      jax.block_until_ready(forward(state, tokens, cache))
-      times.append(time.perf_counter() - t)
-    curve[n] = round(1000 * statistics.median(times), 2)
+    curve[n] = round(median_ms(forward, state, tokens, cache, repeats=repeats), 2)
   return curve
+
+
+def median_ms(fn, *args, repeats: int = 10) -> float:
+  """Median wall ms of ``fn(*args)`` (outputs awaited), after one untimed (compiling) call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return 1000 * statistics.median(times)
 
 
 def _interp(curve: dict[int, float], n: float) -> float:

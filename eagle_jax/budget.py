@@ -21,9 +21,6 @@ held-out ShareGPT first turns by default (not the evaluation set).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,13 +60,9 @@ def draft_cost_ms(drafter: EagleDrafter, dparams, target, prompt, repeats: int =
     state = drafter.update(dparams, state, acc)
     return drafter.propose(dparams, state, acc.tokens_BxK[:, 0], jax.random.key(0), SamplingParams())
 
-  jax.block_until_ready(step(dparams, state, acc))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(step(dparams, state, acc))
-    times.append(time.perf_counter() - t)
-  return 1000 * statistics.median(times)
+  from eagle_jax.bench_spec import median_ms
+
+  return median_ms(step, dparams, state, acc, repeats=repeats)
 
 
 def tune_budget(head, target, prompts, *, curve: dict[int, float], top_k: int = 8,
