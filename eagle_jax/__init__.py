@@ -8,7 +8,8 @@ from eagle_jax.sampling import SamplingParams
 from eagle_jax.generate import Generation, generate
 from eagle_jax.speculative import SpecGeneration, speculative_generate
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
-from eagle_jax.pipeline import TrainConfig, load_head, run_training
+from eagle_jax.exported import load_drafter, load_head
+from eagle_jax.pipeline import TrainConfig, run_training
 
 
 
@@ -27,6 +28,7 @@ def clear_caches() -> None:
 __all__ = [
     "DEFAULT_MODEL", "EagleHead", "EagleHeadConfig", "EagleJaxError", "clear_caches", "Generation",
     "KVCache", "LoadedModel", "ModelConfig", "Output", "RopeScaling", "SamplingParams",
-    "SpecGeneration", "TrainConfig", "Transformer", "generate", "load_head", "load_model",
+    "SpecGeneration", "TrainConfig", "Transformer", "generate", "load_drafter", "load_head",
+    "load_model",
     "run_training", "speculative_generate", "tiny_config",
 ]

@@ -2,12 +2,15 @@
 
 Supports Llama, Mistral and Qwen2 configs, single-file or sharded
 (``model.safetensors.index.json``) weights. Never unpickles and never runs remote code.
+:func:`save_hf_folder` writes the inverse (e.g. a trained draft model).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Callable
 
 import jax
@@ -121,3 +124,65 @@ def load_hf_folder(folder: str, param_dtype=jnp.float32) -> tuple[ModelConfig, T
   leftover = [p for p in jax.tree.leaves(nnx.state(model)) if isinstance(p, jax.ShapeDtypeStruct)]
   assert not leftover, f"{len(leftover)} parameters were not loaded"
   return config, model
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja")
+
+
+def _hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
+  """``model``'s weights under Hugging Face names (fused q/k/v and gate/up split back)."""
+  c = model.config
+  out = {"model.embed_tokens.weight": np.asarray(model.embed[...]),
+         "model.norm.weight": np.asarray(model.final_norm.weight[...])}
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  for i, layer in enumerate(model.layers):
+    prefix = f"model.layers.{i}."
+    out[prefix + "input_layernorm.weight"] = np.asarray(layer.input_norm.weight[...])
+    out[prefix + "post_attention_layernorm.weight"] = np.asarray(layer.post_norm.weight[...])
+    parts = {"weight": np.asarray(layer.attn.qkv.weight[...])}
+    if layer.attn.qkv.bias is not None:
+      parts["bias"] = np.asarray(layer.attn.qkv.bias[...])
+    for kind, w in parts.items():
+      for n, piece in zip("qkv", np.split(w, [q, q + kv])):
+        out[prefix + f"self_attn.{n}_proj.{kind}"] = piece
+    out[prefix + "self_attn.o_proj.weight"] = np.asarray(layer.attn.o.weight[...])
+    gate, up = np.split(np.asarray(layer.mlp.gate_up.weight[...]), 2)
+    out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate, up
+    out[prefix + "mlp.down_proj.weight"] = np.asarray(layer.mlp.down.weight[...])
+  if model.lm_head is not None:
+    out["lm_head.weight"] = np.asarray(model.lm_head.weight[...])
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def save_hf_folder(model: Transformer, folder: str, tokenizer_folder: str | None = None) -> str:
+  """Writes ``folder`` (atomically: a temporary folder renamed into place) as a Hugging Face
+  checkpoint :func:`load_hf_folder` reads back: ``config.json``, ``model.safetensors`` and the
+  tokenizer files found in ``tokenizer_folder``. Returns ``folder``."""
+  from safetensors.numpy import save_file
+
+  if tokenizer_folder is not None and not os.path.isdir(tokenizer_folder):
+    raise EagleJaxError(f"tokenizer folder not found: {tokenizer_folder}")
+  parent = os.path.dirname(os.path.abspath(folder))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".save-", dir=parent)
+  os.chmod(tmp, 0o755)  # mkdtemp makes it private
+  try:
+    save_file(_hf_tensors(model), os.path.join(tmp, "model.safetensors"))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(model.config.to_hf_dict(), f, indent=2)
+    for name in _TOKENIZER_FILES if tokenizer_folder else ():
+      if os.path.isfile(os.path.join(tokenizer_folder, name)):
+        shutil.copyfile(os.path.join(tokenizer_folder, name), os.path.join(tmp, name))
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  old = None
+  if os.path.exists(folder):  # moved aside, not deleted, until the new folder is in place
+    old = tempfile.mkdtemp(prefix=".old-", dir=parent)
+    os.replace(folder, os.path.join(old, "previous"))
+  os.replace(tmp, folder)
+  if old:
+    shutil.rmtree(old, ignore_errors=True)
+  return folder

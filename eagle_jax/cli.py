@@ -67,6 +67,25 @@ def _cmd_bench_spec(args) -> None:
   print(json.dumps(result, indent=None if args.json else 2))
 
 
+def _cmd_bench_draft_sizes(args) -> None:
+  from eagle_jax.distill import DraftModelConfig, predicted_speedup, time_draft_sizes
+  from eagle_jax.registry import load_model
+
+  shapes = {}
+  for spec in args.shapes.split(","):
+    layers, width = (int(x) for x in spec.lower().lstrip("l").split("-d"))
+    heads = max(width // 64, 1)
+    shapes[f"L{layers}-d{width}"] = DraftModelConfig(
+        num_layers=layers, hidden_size=width, intermediate_size=width * 3, num_heads=heads,
+        num_kv_heads=heads // 2 if heads % 2 == 0 else heads, head_dim=64)
+  result = time_draft_sizes(load_model(args.model).model, shapes, gamma=args.gamma)
+  for name in shapes:
+    c = result[name]["ratio_c"]
+    result[name]["predicted_speedup"] = {f"alpha={a}": round(predicted_speedup(a, args.gamma, c), 3)
+                                         for a in (0.3, 0.5, 0.7)}
+  print(json.dumps(result, indent=None if args.json else 1))
+
+
 def _cmd_train(args) -> None:
   from eagle_jax.pipeline import run_training
 
@@ -97,12 +116,17 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--pld-min-ngram", type=int, default=2)
   p.add_argument("--pld-max-ngram", type=int, default=3)
   p.add_argument("--drafter-ckpt", default=None,
-                 help="draft-model: registered name, HF folder or .gguf sharing the tokenizer; "
-                 "eagle1/2/3: a trained run folder or its final/ (default: best in --runs-dir)")
+                 help="draft-model: a trained run folder, registered name, HF folder or .gguf "
+                 "sharing the tokenizer; medusa, eagle1/2/3: a trained run folder or its final/ "
+                 "(default: the trained run with most tokens in --runs-dir)")
   p.add_argument("--runs-dir", default="runs", help="where trained drafters are found")
   p.add_argument("--top-k-tree", type=int, default=0, help="eagle2/3 dynamic tree: nodes expanded per depth")
   p.add_argument("--depth", type=int, default=0, help="eagle2/3 dynamic tree depth")
-  p.add_argument("--total-tokens", type=int, default=0, help="eagle2/3 dynamic tree node budget")
+  p.add_argument("--total-tokens", type=int, default=0,
+                 help="eagle2/3 dynamic tree node budget; medusa: nodes of the best static tree")
+  p.add_argument("--tree", default="", choices=("", "default"),
+                 help="default = the paper's static tree (eagle1/2/3: 25 nodes, medusa: 63 nodes) "
+                 "instead of the tuned budget")
   p.add_argument("--self-draft-layers", type=int, default=0,
                  help="self-draft: target layers used as the draft (0 = a third)")
 
@@ -113,7 +137,8 @@ def _drafter_options(args):
   return DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
                         pld_max_ngram=args.pld_max_ngram, draft_model=args.drafter_ckpt,
                         self_draft_layers=args.self_draft_layers, top_k=args.top_k_tree,
-                        depth=args.depth, total_tokens=args.total_tokens, runs_dir=args.runs_dir)
+                        depth=args.depth, total_tokens=args.total_tokens, tree=args.tree,
+                        runs_dir=args.runs_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
   bs.add_argument("--no-hf", action="store_true", help="skip transformers' greedy / prompt lookup")
   bs.add_argument("--json", action="store_true", help="compact single-line JSON")
   bs.set_defaults(func=_cmd_bench_spec)
+
+  bz = bsub.add_parser("draft-sizes", help="draft-model decode cost vs the target's, per shape")
+  bz.add_argument("--model", default=DEFAULT_MODEL)
+  bz.add_argument("--shapes", default="L2-d256,L4-d256,L8-d256,L4-d384,L4-d576",
+                  help="comma-separated L<layers>-d<width> (64-dim heads, FFN 3x width)")
+  bz.add_argument("--gamma", type=int, default=4)
+  bz.add_argument("--json", action="store_true", help="compact single-line JSON")
+  bz.set_defaults(func=_cmd_bench_draft_sizes)
 
   t = sub.add_parser("train", help="extract target features and train a drafter (resumable)")
   t.add_argument("config", help="training config YAML, e.g. configs/train/eagle1-quick.yaml")

@@ -28,7 +28,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen, bias_from_mask
 from eagle_jax.features import segment_mask

@@ -1,11 +1,12 @@
 """``eagle-jax train CONFIG``: data -> feature cache -> trainer -> exported drafter.
 
 A training config (:class:`TrainConfig`, YAML validated by :mod:`eagle_jax.configs`) names the
-target, the drafter, the data budget, the optimizer and the loop. The feature cache lives in
-``<runs_dir>/features/<model>-<key>/`` and is shared by every drafter trained on the same
-target and data settings; the run lives in ``<runs_dir>/<name>/`` (``checkpoints/``,
-``metrics.jsonl``, ``config.yaml``) and its exported drafter in ``<runs_dir>/<name>/final/``
-(``drafter.json`` + ``params.safetensors``), which ``--drafter-ckpt`` accepts.
+target, the drafter (eagle1, eagle3, medusa or draft-model), the data budget, the optimizer
+and the loop. The feature cache lives in ``<runs_dir>/features/<model>-sharegpt-<key>.../``
+and is shared by every drafter trained on the same target and data settings (its key does not
+depend on the drafter); the run lives in ``<runs_dir>/<name>/`` (``checkpoints/``,
+``metrics.jsonl``, ``config.yaml``, ``summary.json``) and its exported drafter in
+``<runs_dir>/<name>/final/`` (:mod:`eagle_jax.exported`), which ``--drafter-ckpt`` accepts.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import os
 import time
 from typing import Literal
 
-import jax
 import numpy as np
-from flax import nnx
 
+from eagle_jax.distill import DraftModelConfig
 from eagle_jax.configs import dump_config, load_config, read_yaml, to_dict
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.exported import export_drafter, final_folder, load_drafter, load_head, write_meta
 from eagle_jax.train import LoopConfig, OptimConfig
 
 DEFAULT_RUNS_DIR = "runs"
@@ -62,8 +63,17 @@ class EagleConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MedusaTrainConfig:
+  num_heads: int = 4
+  num_layers: int = 1  # residual blocks per head
+  positions_per_row: int = 128  # loss positions sampled per row (0 = all)
+  decay: float = 0.8  # loss weight of head k: decay**k
+
+
+@dataclasses.dataclass(frozen=True)
 class TuneConfig:
-  """EAGLE-2 budget tuning after training (:mod:`eagle_jax.budget`)."""
+  """Budget tuning after training: EAGLE-2 (:mod:`eagle_jax.budget`), Medusa trees
+  (:func:`eagle_jax.medusa.tune_tree`)."""
 
   enabled: bool = True
   prompts: int = 4  # held-out ShareGPT first turns
@@ -82,17 +92,20 @@ class DecodeEvalConfig:
   top_k: int = 8  # EAGLE-2 dynamic tree used for the measurement
   depth: int = 5
   total_tokens: int = 24
+  gamma: int = 4  # draft-model chain; Medusa uses its 63-node default tree
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   name: str
-  drafter: Literal["eagle1", "eagle3"]
+  drafter: Literal["eagle1", "eagle3", "medusa", "draft-model"]
   model: str = "smollm2-135m-instruct"
   runs_dir: str = DEFAULT_RUNS_DIR
   data: DataConfig = DataConfig()
   features: FeatureConfig = FeatureConfig()
   eagle: EagleConfig = EagleConfig()
+  medusa: MedusaTrainConfig = MedusaTrainConfig()
+  draft_model: DraftModelConfig = DraftModelConfig()
   optim: OptimConfig = OptimConfig()
   loop: LoopConfig = LoopConfig()
   tune: TuneConfig = TuneConfig()
@@ -162,6 +175,19 @@ def _has_rows(path, rows):
 
 
 def build_task(cfg: TrainConfig, lm, train_shards):
+  if cfg.drafter == "medusa":
+    from eagle_jax.medusa import MedusaConfig, MedusaTask
+
+    m = cfg.medusa
+    heads = MedusaConfig(num_heads=m.num_heads, num_layers=m.num_layers,
+                         hidden_size=lm.config.hidden_size, vocab_size=lm.config.vocab_size)
+    lm_head = lm.model.embed if lm.model.lm_head is None else lm.model.lm_head.weight
+    return MedusaTask(config=heads, lm_head_VxD=np.asarray(lm_head[...]),
+                      positions_per_row=m.positions_per_row, decay=m.decay)
+  if cfg.drafter == "draft-model":
+    from eagle_jax.distill import DistillTask
+
+    return DistillTask.of(lm.model, cfg.draft_model)
   from eagle_jax.eagle_head import EagleHeadConfig, Frozen
   from eagle_jax.eagle_train import EagleTask, draft_vocab_map
 
@@ -190,7 +216,9 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   saved = os.path.join(run_dir, "config.yaml")
   if os.path.isfile(saved):  # compare what decides the trained weights, as plain data
     before = read_yaml(saved)
-    same = lambda d: ({k: d.get(k) for k in ("drafter", "model", "data", "features", "eagle", "optim")},
+    same = lambda d: ({k: d.get(k) for k in ("drafter", "model", "data", "features", "optim",
+                                             {"eagle1": "eagle", "eagle3": "eagle"}.get(
+                                                 cfg.drafter, cfg.drafter.replace("-", "_")))},
                       {k: d.get("loop", {}).get(k) for k in ("seed", "batch_rows", "epochs")})
     if same(before) != same(to_dict(cfg)):
       raise EagleJaxError(f"{run_dir}: holds a run with a different config ({saved}); "
@@ -206,25 +234,31 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   result = train(task, data, held, run_dir, cfg.loop, cfg.optim, progress=progress,
                  eval_hook=decode_eval_hook(cfg, lm))
   final = os.path.join(run_dir, "final")
-  export_head(result.module, final, {"drafter": cfg.drafter, "model": cfg.model,
-                                     "steps": result.steps, "train_tokens": result.tokens})
+  export_drafter(result.module, final, {"drafter": cfg.drafter, "model": cfg.model,
+                                        "steps": result.steps, "train_tokens": result.tokens,
+                                        "train_seconds": round(result.seconds, 1),
+                                        "heldout": {k: round(v, 4) for k, v in result.last_eval.items()
+                                                    if "rank" not in k}},
+                 tokenizer_folder=lm.folder)
   tuned = {}
-  if cfg.tune.enabled:
+  if cfg.tune.enabled and cfg.drafter in ("eagle1", "eagle3"):
     tuned = tune_run(final, lm, cfg)
+  elif cfg.tune.enabled and cfg.drafter == "medusa":
+    tuned = tune_medusa(final, lm, cfg, result.last_eval)
   summary = {"run_dir": run_dir, "final": final, "steps": result.steps,
              "train_tokens": result.tokens, "resumed_from": result.resumed_from,
              "feature_rows": data.num_rows, "feature_tokens": data.num_tokens,
              "features_seconds": round(feat_s, 1), "train_seconds": round(result.seconds, 1),
-             **{k: round(v, 4) for k, v in result.last_eval.items()},
-             "budget": {k: v for k, v in tuned.items() if k not in ("by_setting", "verify_cost_ms")}}
+             **{k: round(v, 4) for k, v in result.last_eval.items() if "rank" not in k},
+             "budget": {k: v for k, v in tuned.items()
+                        if k not in ("by_setting", "verify_cost_ms", "rows", "tree")}}
   with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
   return summary
 
 
 def decode_eval_hook(cfg: TrainConfig, lm):
-  """``module -> {"heldout_tau": ...}``: greedy EAGLE-2 decoding of held-out prompts."""
-  from eagle_jax.drafters.eagle import EagleDrafter
+  """``module -> {"heldout_tau": ...}``: greedy speculative decoding of held-out prompts."""
   from eagle_jax.speculative import speculative_generate
 
   d = cfg.decode_eval
@@ -232,14 +266,32 @@ def decode_eval_hook(cfg: TrainConfig, lm):
     return None
   prompts = heldout_prompts(lm.tokenizer, d.prompts, cfg)
 
-  def hook(head):
-    drafter, dparams = EagleDrafter.create(head, lm.model, None, top_k=d.top_k, depth=d.depth,
-                                           total_tokens=d.total_tokens)
+  def hook(module):
+    drafter, dparams = eval_drafter(cfg.drafter, module, lm.model, d)
     gen = speculative_generate(lm.model, drafter, dparams, prompts,
                                max_new_tokens=d.max_new_tokens, stop_ids=())
     alphas = gen.n_alpha(3)
     return {"heldout_tau": gen.tau, **{f"heldout_alpha_{i + 1}": a for i, a in enumerate(alphas)}}
   return hook
+
+
+def eval_drafter(kind: str, module, target, d: DecodeEvalConfig = DecodeEvalConfig()):
+  """The drafter a training run measures its held-out acceptance with."""
+  if kind == "medusa":
+    from eagle_jax.drafters.medusa import MedusaDrafter
+    from eagle_jax.tree import MEDUSA_DEFAULT_CHOICES, TreeSpec
+
+    depth = module.config.num_heads
+    tree = TreeSpec.from_choices([c for c in MEDUSA_DEFAULT_CHOICES if len(c) <= depth])
+    return MedusaDrafter.create(module, tree, target)
+  if kind == "draft-model":
+    from eagle_jax.drafters.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter.create(module, gamma=d.gamma, target_vocab=target.config.vocab_size)
+  from eagle_jax.drafters.eagle import EagleDrafter
+
+  return EagleDrafter.create(module, target, None, top_k=d.top_k, depth=d.depth,
+                             total_tokens=d.total_tokens)
 
 
 def heldout_prompts(tokenizer, count: int, cfg: TrainConfig | None = None) -> list[list[int]]:
@@ -278,50 +330,35 @@ def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
     json.dump(result, f, indent=1)
   meta["budget"] = {k: result[k] for k in ("top_k", "depth", "total_tokens", "predicted_tau",
                                            "predicted_speedup")}
-  with open(os.path.join(final, "drafter.json"), "w") as f:
-    json.dump(meta, f, indent=1)
+  write_meta(final, meta)
   print(f"budget: {json.dumps(meta['budget'])}")
   return result
 
 
-def export_head(module, folder: str, meta: dict) -> None:
-  """Writes ``drafter.json`` (head config + meta) and ``params.safetensors``."""
-  from safetensors.numpy import save_file
+def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict) -> dict:
+  """Picks the Medusa tree budget (:func:`eagle_jax.medusa.tune_tree`); records it and the
+  held-out rank accuracies it came from in ``drafter.json``."""
+  from eagle_jax.bench_spec import verify_cost_curve
+  from eagle_jax.budget import draft_cost_ms
+  from eagle_jax.drafters.medusa import MedusaDrafter
+  from eagle_jax.medusa import best_tree, rank_accuracies, tune_tree
+  from eagle_jax.tree import TreeSpec
 
-  os.makedirs(folder, exist_ok=True)
-  flat = {".".join(str(p) for p in path): np.asarray(v[...])
-          for path, v in nnx.to_flat_state(nnx.state(module))}
-  save_file(flat, os.path.join(folder, "params.safetensors"))
-  with open(os.path.join(folder, "drafter.json"), "w") as f:
-    json.dump({**meta, "head": module.config.to_dict()}, f, indent=1)
-
-
-def final_folder(path: str) -> str:
-  """``path`` itself if it holds an exported drafter, else its ``final/`` (a run folder)."""
-  return path if os.path.isfile(os.path.join(path, "drafter.json")) else os.path.join(path, "final")
-
-
-def load_head(path: str):
-  """Loads an exported EAGLE head from ``path`` (a ``final/`` folder or its run folder)."""
-  from safetensors.numpy import load_file
-
-  from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
-
-  folder = final_folder(path)
-  meta_path = os.path.join(folder, "drafter.json")
-  if not os.path.isfile(meta_path):
-    raise EagleJaxError(f"{path}: no trained drafter here (drafter.json missing; train one with "
-                        "eagle-jax train CONFIG)")
-  with open(meta_path) as f:
-    meta = json.load(f)
-  cfg = EagleHeadConfig.from_dict(meta["head"])
-  head = nnx.eval_shape(lambda: EagleHead(cfg, rngs=nnx.Rngs(0)))
-  tensors = load_file(os.path.join(folder, "params.safetensors"))
-  state = nnx.state(head)
-  for p, v in nnx.to_flat_state(state):
-    key = ".".join(str(x) for x in p)
-    if key not in tensors:
-      raise EagleJaxError(f"{folder}/params.safetensors: missing tensor {key!r}")
-    v.set_value(jax.numpy.asarray(tensors[key]))
-  nnx.update(head, state)
-  return head, meta
+  t = cfg.tune if cfg else TuneConfig()
+  final = final_folder(final)
+  heads, meta = load_drafter(final, ("medusa",))
+  acc = rank_accuracies(heldout_metrics, heads.config.num_heads)
+  drafter, dparams = MedusaDrafter.create(heads, TreeSpec.from_choices(best_tree(acc, t.max_nodes)[0]))
+  prompt = heldout_prompts(lm.tokenizer, 1, cfg)[0]
+  grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)
+  sizes = tuple(n for n in grid if n <= t.max_nodes + 1) + tuple(n for n in grid if n > t.max_nodes + 1)[:1]
+  result = tune_tree(draft_cost_ms(drafter, dparams, lm.model, prompt), acc,
+                     verify_cost_curve(lm.model, sizes=sizes), max_nodes=t.max_nodes)
+  with open(os.path.join(final, "budget.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  meta["rank_acc"] = [[round(a, 5) for a in row] for row in acc]
+  meta["budget"] = {k: result[k] for k in ("total_tokens", "tree", "predicted_tau", "predicted_speedup",
+                                           "default63_predicted_tau")}
+  write_meta(final, meta)
+  print(f"budget: {json.dumps({k: v for k, v in meta['budget'].items() if k != 'tree'})}")
+  return result

@@ -78,6 +78,22 @@ class Task(Protocol):
     """Scalar loss and a dict of scalar metrics (means over the batch)."""
 
 
+def sample_positions(key: jax.Array, valid_BxT: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+  """``n`` positions per row drawn uniformly without replacement among the valid ones (all of
+  them when fewer are valid): ``(idx_BxN, weight_BxN)``, weight 1 for valid picks, else 0.
+
+  Losses whose cost is dominated by a vocabulary-sized output layer evaluate it only at these
+  positions: an unbiased estimate of the full mean at a fraction of the cost. ``n <= 0`` or
+  ``n >= T`` keeps every position.
+  """
+  b, t = valid_BxT.shape
+  if n <= 0 or n >= t:
+    return jnp.broadcast_to(jnp.arange(t), (b, t)), valid_BxT.astype(jnp.float32)
+  score_BxT = jax.random.uniform(key, (b, t)) + valid_BxT.astype(jnp.float32)
+  _, idx_BxN = jax.lax.top_k(score_BxT, n)
+  return idx_BxN, jnp.take_along_axis(valid_BxT, idx_BxN, 1).astype(jnp.float32)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
   warm = max(min(cfg.warmup_steps, total_steps - 1), 0)
   decay_steps = max(total_steps - warm, 1)

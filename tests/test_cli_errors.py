@@ -1,8 +1,6 @@
 """User errors: one line on stderr naming the problem, exit code 2, no traceback."""
 
 import json
-import os
-import shutil
 
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file

@@ -23,7 +23,8 @@ decode_eval: {{prompts: 1, max_new_tokens: 8, top_k: 3, depth: 2, total_tokens: 
 def trained(tmp_path_factory):
   runs = tmp_path_factory.mktemp("runs")
   out = {}
-  for drafter, tune, ttt, vocab in [("eagle1", "true", 1, 0), ("eagle3", "false", 2, 4096)]:
+  for drafter, tune, ttt, vocab in [("eagle1", "true", 1, 0), ("eagle3", "false", 2, 4096),
+                                    ("medusa", "true", 1, 0), ("draft-model", "false", 1, 0)]:
     path = runs / f"{drafter}.yaml"
     path.write_text(CONFIG.format(name=f"tiny-{drafter}", drafter=drafter, runs=runs, tune=tune,
                                   ttt=ttt, vocab=vocab))
@@ -55,6 +56,22 @@ def test_train_then_generate_with_every_eagle_drafter(trained, capsys):
   explicit = _generate(capsys, "--drafter", "eagle2", "--drafter-ckpt", str(runs / "tiny-eagle1"),
                        "--total-tokens", "5", "--depth", "2", "--top-k-tree", "3")
   assert explicit["token_ids"] == vanilla["token_ids"]
+
+
+def test_train_then_generate_with_medusa_and_draft_model(trained, capsys):
+  runs, _ = trained
+  medusa = json.loads((runs / "tiny-medusa" / "final" / "drafter.json").read_text())
+  assert len(medusa["rank_acc"]) == 4 and len(medusa["rank_acc"][0]) == 10
+  assert 1 <= medusa["budget"]["total_tokens"] == len(medusa["budget"]["tree"]) <= 7
+  assert (runs / "tiny-draft-model" / "final" / "config.json").is_file()  # a Hugging Face folder
+  vanilla = _generate(capsys)
+  for flags in (["--drafter", "medusa"], ["--drafter", "medusa", "--tree", "default"],
+                ["--drafter", "medusa", "--total-tokens", "5"], ["--drafter", "draft-model"],
+                ["--drafter", "draft-model", "--gamma", "2", "--drafter-ckpt",
+                 str(runs / "tiny-draft-model" / "final")]):
+    got = _generate(capsys, *flags, "--runs-dir", str(runs))
+    assert got["token_ids"] == vanilla["token_ids"], flags
+    assert got["tau"] >= 1.0
 
 
 def test_tune_command_rewrites_the_budget_of_a_run(trained, capsys):
@@ -94,4 +111,6 @@ def test_train_errors_are_one_line(trained, tmp_path, capsys):
   assert main(["generate", "--drafter", "eagle3", "--drafter-ckpt", str(runs / "tiny-eagle1"), "hi"]) == 2
   assert "EAGLE-1 head" in capsys.readouterr().err
   assert main(["generate", "--drafter", "eagle1", "--runs-dir", str(tmp_path), "hi"]) == 2
-  assert "no trained eagle1 head" in capsys.readouterr().err
+  assert "no trained eagle1 drafter" in capsys.readouterr().err
+  assert main(["generate", "--drafter", "medusa", "--drafter-ckpt", str(runs / "tiny-eagle1"), "hi"]) == 2
+  assert "holds a 'eagle1' drafter" in capsys.readouterr().err

@@ -55,7 +55,7 @@ def run(features, run_dir, version=1):
 
 
 if __name__ == "__main__":
-  from eagle_jax.pipeline import export_head
+  from eagle_jax.exported import export_drafter
 
   result = run(sys.argv[1], sys.argv[2])
-  export_head(result.module, sys.argv[2] + "/final", {"drafter": "eagle1", "steps": result.steps})
+  export_drafter(result.module, sys.argv[2] + "/final", {"drafter": "eagle1", "steps": result.steps})

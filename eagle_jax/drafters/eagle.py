@@ -152,7 +152,6 @@ class EagleDrafter:
     tokens_BxM = jnp.zeros((b, tree.num_nodes + 1), jnp.int32)
     logits = {0: head.logits(state.frontier_BxD[:, None], frozen)}  # slot -> [B, 1, V] rows
     outs = {0: state.frontier_BxD[:, None]}
-    local = {0: 0}
     kv = state.kv
     for d in range(1, tree.max_depth + 1):
       slots = np.nonzero(depths == d)[0]

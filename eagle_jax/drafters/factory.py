@@ -11,7 +11,7 @@ from eagle_jax.drafters.pld import PromptLookupDrafter
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model import Transformer
 
-DRAFTERS = ("vanilla", "pld", "draft-model", "self-draft", "eagle1", "eagle2", "eagle3")
+DRAFTERS = ("vanilla", "pld", "draft-model", "self-draft", "medusa", "eagle1", "eagle2", "eagle3")
 EAGLE_VERSION = {"eagle1": 1, "eagle2": 1, "eagle3": 3}  # EAGLE-2 drafts with EAGLE-1 weights
 
 
@@ -24,7 +24,8 @@ class DrafterOptions:
   self_draft_layers: int = 0  # 0 = a third of the target's layers
   top_k: int = 0  # dynamic trees (eagle2/eagle3); 0 = the checkpoint's tuned value or default
   depth: int = 0
-  total_tokens: int = 0
+  total_tokens: int = 0  # eagle2/eagle3 dynamic trees; medusa: a tree of this many nodes
+  tree: str = ""  # "default": the paper's static tree (EAGLE-1 25 nodes, Medusa 63 nodes)
   runs_dir: str = "runs"  # where trained drafters are looked up when no checkpoint is given
 
 
@@ -44,13 +45,13 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
     return DraftModelDrafter.create(self_draft_model(target, layers), gamma=options.gamma or 3)
   if name in EAGLE_VERSION:
     return make_eagle(name, target, options, model)
+  if name == "medusa":
+    return make_medusa(target, options, model)
   if name == "draft-model":
-    if not options.draft_model:
-      raise EagleJaxError("--drafter draft-model needs --drafter-ckpt NAME_OR_PATH (a model "
-                          "sharing the target's tokenizer)")
     from eagle_jax.registry import load_model
 
-    draft = load_model(options.draft_model).model
+    path = options.draft_model or find_checkpoint(name, options.runs_dir, model)
+    draft = load_model(path).model
     return DraftModelDrafter.create(draft, gamma=options.gamma or 4,
                                     target_vocab=target.config.vocab_size)
   raise EagleJaxError(f"unknown drafter {name!r}; choose from: {', '.join(DRAFTERS)}")
@@ -58,7 +59,7 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
 
 def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
   """The trained run in ``runs_dir`` for drafter ``name`` with the most training tokens."""
-  want = "eagle3" if name == "eagle3" else "eagle1"
+  want = {"eagle2": "eagle1"}.get(name, name)
   best = None
   if os.path.isdir(runs_dir):
     for run in sorted(os.listdir(runs_dir)):
@@ -73,14 +74,14 @@ def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
       if best is None or key > best[0]:
         best = (key, os.path.join(runs_dir, run, "final"))
   if best is None:
-    raise EagleJaxError(f"no trained {want} head in {runs_dir}/ (train one with: eagle-jax train "
+    raise EagleJaxError(f"no trained {want} drafter in {runs_dir}/ (train one with: eagle-jax train "
                         f"configs/train/{want}-quick.yaml) and no --drafter-ckpt given")
   return best[1]
 
 
 def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: str | None = None):
   from eagle_jax.drafters.eagle import EagleDrafter
-  from eagle_jax.pipeline import load_head
+  from eagle_jax.exported import load_head
   from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
 
   path = options.draft_model or find_checkpoint(name, options.runs_dir, model)
@@ -88,7 +89,7 @@ def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: s
   if head.config.version != EAGLE_VERSION[name]:
     raise EagleJaxError(f"{path}: holds an EAGLE-{head.config.version} head; --drafter {name} "
                         f"needs EAGLE-{EAGLE_VERSION[name]}")
-  if name == "eagle1":
+  if name == "eagle1" or options.tree == "default":
     tree = TreeSpec.chain(options.gamma) if options.gamma else TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES)
     drafter, dparams = EagleDrafter.create(head, target, tree)
   else:
@@ -98,3 +99,26 @@ def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: s
         depth=options.depth or tuned.get("depth", 5),
         total_tokens=options.total_tokens or tuned.get("total_tokens", 24))
   return drafter, dparams
+
+
+def make_medusa(target: Transformer, options: DrafterOptions, model: str | None = None):
+  """Medusa heads with the tree budget tuned after training (``total_tokens`` nodes of the
+  best tree for the held-out rank accuracies, if given), or Medusa's 63-node default tree
+  (``tree="default"``, or when the checkpoint carries no tuning)."""
+  from eagle_jax.drafters.medusa import MedusaDrafter
+  from eagle_jax.exported import load_drafter
+  from eagle_jax.medusa import best_tree
+  from eagle_jax.tree import MEDUSA_DEFAULT_CHOICES, TreeSpec
+
+  path = options.draft_model or find_checkpoint("medusa", options.runs_dir, model)
+  heads, meta = load_drafter(path, ("medusa",))
+  depth = heads.config.num_heads
+  if options.tree == "default" or "rank_acc" not in meta:
+    choices = [c for c in MEDUSA_DEFAULT_CHOICES if len(c) <= depth]
+  elif options.total_tokens:
+    choices = best_tree(meta["rank_acc"], options.total_tokens)[0]
+  else:
+    choices = meta["budget"]["tree"]
+  if options.gamma:
+    choices = TreeSpec.chain(min(options.gamma, depth)).choices
+  return MedusaDrafter.create(heads, TreeSpec.from_choices(choices), target)

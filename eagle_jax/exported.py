@@ -1,0 +1,105 @@
+"""Trained drafters on disk: the ``final/`` folder a training run exports.
+
+Every exported drafter has ``drafter.json``: ``{"drafter": KIND, "model": TARGET, "steps",
+"train_tokens", ...}`` plus what its kind needs:
+
+- ``eagle1`` / ``eagle3`` / ``medusa``: ``"head"`` (the module's config) and
+  ``params.safetensors`` (flat NNX state names); tuned budgets under ``"budget"``.
+- ``draft-model``: a complete Hugging Face folder (``config.json``, ``model.safetensors``,
+  tokenizer files), loadable by any Llama-family loader, ours included.
+
+``--drafter-ckpt`` accepts the ``final/`` folder or its run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+from eagle_jax.errors import EagleJaxError
+
+HEAD_KINDS = ("eagle1", "eagle3", "medusa")
+TRAINABLE = HEAD_KINDS + ("draft-model",)
+
+
+def final_folder(path: str) -> str:
+  """``path`` itself if it holds an exported drafter, else its ``final/`` (a run folder)."""
+  return path if os.path.isfile(os.path.join(path, "drafter.json")) else os.path.join(path, "final")
+
+
+def read_meta(path: str) -> dict:
+  meta_path = os.path.join(final_folder(path), "drafter.json")
+  if not os.path.isfile(meta_path):
+    raise EagleJaxError(f"{path}: no trained drafter here (drafter.json missing; train one with "
+                        "eagle-jax train CONFIG)")
+  with open(meta_path) as f:
+    return json.load(f)
+
+
+def write_meta(folder: str, meta: dict) -> None:
+  """Writes ``folder/drafter.json`` (``folder`` is the export folder itself)."""
+  with open(os.path.join(folder, "drafter.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+
+
+def export_drafter(module, folder: str, meta: dict, tokenizer_folder: str | None = None) -> None:
+  """Writes the trained ``module`` of kind ``meta["drafter"]`` to ``folder``."""
+  os.makedirs(folder, exist_ok=True)
+  if meta["drafter"] == "draft-model":
+    from eagle_jax.checkpoints import save_hf_folder
+
+    save_hf_folder(module, folder, tokenizer_folder)
+    write_meta(folder, meta)
+    return
+  from safetensors.numpy import save_file
+
+  flat = {".".join(str(p) for p in path): np.asarray(v[...])
+          for path, v in nnx.to_flat_state(nnx.state(module))}
+  save_file(flat, os.path.join(folder, "params.safetensors"))
+  write_meta(folder, {**meta, "head": module.config.to_dict()})
+
+
+def _head_module(kind: str, config: dict):
+  if kind == "medusa":
+    from eagle_jax.medusa import MedusaConfig, MedusaHeads
+
+    cfg = MedusaConfig.from_dict(config)
+    return nnx.eval_shape(lambda: MedusaHeads(cfg, rngs=nnx.Rngs(0)))
+  from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
+
+  cfg = EagleHeadConfig.from_dict(config)
+  return nnx.eval_shape(lambda: EagleHead(cfg, rngs=nnx.Rngs(0)))
+
+
+def load_drafter(path: str, kinds=TRAINABLE):
+  """``(module, meta)`` of the drafter exported at ``path``; its kind must be in ``kinds``."""
+  folder = final_folder(path)
+  meta = read_meta(path)
+  kind = meta.get("drafter")
+  if kind not in kinds:
+    raise EagleJaxError(f"{folder}: holds a {kind!r} drafter; expected one of: {', '.join(kinds)}")
+  if kind == "draft-model":
+    from eagle_jax.registry import load_model
+
+    return load_model(folder).model, meta
+  from safetensors.numpy import load_file
+
+  module = _head_module(kind, meta["head"])
+  tensors = load_file(os.path.join(folder, "params.safetensors"))
+  state = nnx.state(module)
+  for p, v in nnx.to_flat_state(state):
+    key = ".".join(str(x) for x in p)
+    if key not in tensors:
+      raise EagleJaxError(f"{folder}/params.safetensors: missing tensor {key!r}")
+    v.set_value(jax.numpy.asarray(tensors[key]))
+  nnx.update(module, state)
+  return module, meta
+
+
+def load_head(path: str):
+  """An exported EAGLE head ``(head, meta)``."""
+  return load_drafter(path, kinds=("eagle1", "eagle3"))
