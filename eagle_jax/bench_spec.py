@@ -146,22 +146,21 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
       accepted = [g.accepted[0] for g in gens]
       drafted = [g.drafted_depth[0] for g in gens]
       gamma = drafter.max_depth
+      predicted, alpha = _predicted_speedup(accepted, drafted, gamma, curve, 0.0)
       draft_ms = 0.0
-      if name in ("self-draft", "draft-model"):  # cost estimate: gamma steps of the draft
-        draft_layers = dparams and len(nnx.merge(drafter.graphdef, dparams).layers)
-        draft_ms = gamma * curve[1] * draft_layers / target.config.num_layers
-      predicted, alpha = _predicted_speedup(accepted, drafted, gamma, curve, draft_ms)
-      if name in EAGLE_VERSION:  # measured draft cost, measured tau, verify cost of the tree
+      if name != "pld":  # measured draft cost, measured tau, verify cost of the tree
         from eagle_jax.budget import draft_cost_ms
 
         draft_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
         tau = float(np.mean([a for r in accepted for a in r]) + 1)
         predicted = tau * curve[1] / (_interp(curve, drafter.num_nodes + 1) + draft_ms)
+      if name in EAGLE_VERSION or name in ("medusa", "draft-model"):
         row["checkpoint"] = options.draft_model or find_checkpoint(name, options.runs_dir, model)
-        row["tree"] = (f"static {drafter.num_nodes} nodes, depth {drafter.max_depth}"
-                       if drafter.tree is not None else
-                       f"dynamic top_k={drafter.top_k} depth={drafter.depth} "
-                       f"total_tokens={drafter.total_tokens}")
+      tree = getattr(drafter, "tree", "chain")
+      row["tree"] = (f"chain of {drafter.num_nodes}" if tree == "chain" else
+                     f"static {drafter.num_nodes} nodes, depth {drafter.max_depth}" if tree is not None
+                     else f"dynamic top_k={drafter.top_k} depth={drafter.depth} "
+                          f"total_tokens={drafter.total_tokens}")
       row.update({
           "speedup": round(vanilla_total / secs, 3) if vanilla_tokens else None,
           "tau": round(float(np.mean([a for r in accepted for a in r]) + 1), 3),
@@ -187,8 +186,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
       "options": {k: v for k, v in vars(options).items()},
       "tau": "tokens per target verify pass, bonus token included, prefill excluded",
       "speedup": "our vanilla seconds / method seconds, same prompts, same run",
-      "predicted_speedup": "i.i.d. formula with the measured per-position acceptance, the verify "
-      "cost curve, and a draft cost of 0 (pld) or gamma x (draft layers / target layers) x c(1); "
-      "eagle rows: measured tau x c(1) / (c(nodes + 1) + timed draft propose/update)",
+      "predicted_speedup": "measured tau x c(1) / (c(nodes + 1) + timed draft update + propose); "
+      "pld: i.i.d. formula with the measured per-position acceptance and a free draft",
       "jax_version": jax.__version__, "backend": jax.default_backend()}
   return out

@@ -114,3 +114,20 @@ def test_train_errors_are_one_line(trained, tmp_path, capsys):
   assert "no trained eagle1 drafter" in capsys.readouterr().err
   assert main(["generate", "--drafter", "medusa", "--drafter-ckpt", str(runs / "tiny-eagle1"), "hi"]) == 2
   assert "holds a 'eagle1' drafter" in capsys.readouterr().err
+
+
+def test_bench_spec_rows_name_their_checkpoints(trained):
+  from eagle_jax.bench_spec import bench_spec
+  from eagle_jax.drafters.factory import DrafterOptions
+
+  runs, _ = trained
+  out = bench_spec("smollm2-135m-instruct", methods=("vanilla", "pld", "medusa", "draft-model"),
+                   num_prompts=2, max_new_tokens=8, options=DrafterOptions(runs_dir=str(runs)),
+                   with_hf=False)
+  rows = out["methods"]
+  assert rows["medusa"]["checkpoint"].endswith("tiny-medusa/final")
+  assert rows["draft-model"]["checkpoint"].endswith("tiny-draft-model/final")
+  assert rows["draft-model"]["tree"] == "chain of 4" and rows["medusa"]["tree"].startswith("static")
+  for name in ("pld", "medusa", "draft-model"):
+    assert rows[name]["greedy_matches_vanilla"] == 2 and rows[name]["tau"] >= 1.0
+    assert rows[name]["speedup"] > 0 and len(rows[name]["n_alpha"]) >= 1
