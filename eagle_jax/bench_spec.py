@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax.data import load_mtbench
+from eagle_jax.data import load_mtbench, pick_questions
 from eagle_jax.drafters.factory import EAGLE_VERSION, DrafterOptions, find_checkpoint, make_drafter
 from eagle_jax.generate import generate
 from eagle_jax.model import KVCache
@@ -63,15 +63,6 @@ def _interp(curve: dict[int, float], n: float) -> float:
   return float(np.interp(n, xs, [curve[x] for x in xs]))
 
 
-def _pick_questions(num_prompts: int):
-  by_cat = collections.defaultdict(list)
-  for q in load_mtbench():
-    by_cat[q.category].append(q)
-  per = max(1, -(-num_prompts // len(by_cat)))
-  picked = [q for qs in by_cat.values() for q in qs[:per]]
-  return picked[:num_prompts]
-
-
 def _predicted_speedup(accepted, drafted, gamma, curve, draft_ms):
   """Speedup predicted by the i.i.d. acceptance formula from measured acceptance and costs."""
   acc = np.array([a for row in accepted for a in row])
@@ -113,7 +104,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
                options: DrafterOptions = DrafterOptions(), with_hf: bool = True) -> dict:
   lm = load_model(model)
   target = lm.model
-  questions = _pick_questions(num_prompts)
+  questions = pick_questions(load_mtbench(), num_prompts)
   prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
   params = SamplingParams(temperature=temperature)
   curve = verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 26, 32, 64))

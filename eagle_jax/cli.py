@@ -92,6 +92,18 @@ def _cmd_train(args) -> None:
   print(json.dumps(run_training(args.config, args.overrides)))
 
 
+def _cmd_run(args) -> None:
+  from eagle_jax.experiment import run_experiment
+
+  run_experiment(args.config, args.overrides)
+
+
+def _cmd_table(args) -> None:
+  from eagle_jax.tables import render
+
+  print(render(args.results, args.format, args.per_category))
+
+
 def _cmd_tune(args) -> None:
   from eagle_jax.pipeline import TuneConfig, TrainConfig, tune_run
   from eagle_jax.registry import load_model
@@ -197,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("config", help="training config YAML, e.g. configs/train/eagle1-quick.yaml")
   t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-4")
   t.set_defaults(func=_cmd_train)
+
+  r = sub.add_parser("run", help="run an experiment: train missing drafters, evaluate, tabulate")
+  r.add_argument("config", help="experiment config YAML, e.g. configs/quickstart.yaml")
+  r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.num_questions=8")
+  r.set_defaults(func=_cmd_run)
+
+  tb = sub.add_parser("table", help="paper-style table from experiment results folders")
+  tb.add_argument("results", nargs="+", help="results/<name> folders")
+  tb.add_argument("--format", default="markdown", choices=("markdown", "latex"))
+  tb.add_argument("--per-category", action="store_true", help="add per-category tables")
+  tb.set_defaults(func=_cmd_table)
 
   tu = sub.add_parser("tune", help="pick an EAGLE-2 tree budget for this machine")
   tu.add_argument("checkpoint", help="trained run folder or its final/")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -55,3 +56,19 @@ def load_jsonl_prompts(path: str) -> list[Question]:
 def load_mtbench() -> list[Question]:
   """The 80 MT-bench questions (8 categories x 10, two turns each)."""
   return load_jsonl_prompts(mtbench_path())
+
+
+def pick_questions(questions: list[Question], num: int = 0, categories=()) -> list[Question]:
+  """``num`` questions (0 = all) spread evenly over categories (the first of each, in turn),
+  optionally restricted to ``categories``; file order is kept within a category."""
+  by_cat = collections.defaultdict(list)
+  for q in questions:
+    if not categories or q.category in categories:
+      by_cat[q.category].append(q)
+  missing = [c for c in categories if c not in by_cat]
+  if missing:
+    raise EagleJaxError(f"no prompts in categories {missing}; have: {sorted({q.category for q in questions})}")
+  if not num or num >= sum(len(v) for v in by_cat.values()):
+    return [q for qs in by_cat.values() for q in qs]
+  per = -(-num // len(by_cat))
+  return [q for qs in by_cat.values() for q in qs[:per]][:num]

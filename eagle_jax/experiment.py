@@ -1,0 +1,307 @@
+"""``eagle-jax run CONFIG``: train what is missing, evaluate every method on the same prompts.
+
+An :class:`ExperimentConfig` names the target, the methods (each a drafter with its options and,
+for trainable drafters, a checkpoint or a training config to run when its checkpoint is
+missing) and the evaluation (MT-bench or a JSONL prompt file, turns, temperatures, batch size).
+The run writes ``<results_dir>/<name>/``:
+
+- ``config.yaml``: the resolved config;
+- ``records/<method>-T<temperature>.jsonl``: one record per prompt (ids, category, turn,
+  generated token ids, seconds, per-step accepted counts and drafted depths), with a
+  ``.key.json`` beside it naming what produced it: a unit whose key still matches is reused,
+  so re-running a finished experiment only re-renders and an interrupted one resumes;
+- ``summary.json`` and ``table.md`` (:mod:`eagle_jax.tables`).
+
+Conventions: tau = tokens per target forward (verify) pass, the bonus token included, the
+prefill excluded; n-alpha = acceptance rate at draft depth n given the path reached depth n-1;
+speedup = vanilla's seconds / the method's seconds on the same prompts at the same temperature
+in the same run (compilation excluded). Second turns are built on the target's own greedy
+first answer (vanilla, T=0), so every method sees the same second-turn prompts. At T=0 the
+runner checks that every method's tokens equal vanilla's and counts mismatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Literal
+
+from eagle_jax.configs import dump_config, load_config, to_dict
+from eagle_jax.drafters.factory import DRAFTERS, DrafterOptions
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.registry import DEFAULT_MODEL
+
+TRAINED = ("draft-model", "medusa", "eagle1", "eagle2", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodConfig:
+  name: str  # row label, unique in the experiment
+  drafter: str = ""  # one of DRAFTERS; defaults to ``name``
+  checkpoint: str = ""  # trained drafter (run folder or final/) or draft model name/folder
+  train: str = ""  # training config run when ``checkpoint`` is empty and its run is unfinished
+  train_overrides: tuple[str, ...] = ()
+  gamma: int = 0
+  top_k: int = 0
+  depth: int = 0
+  total_tokens: int = 0
+  tree: Literal["", "default"] = ""
+  self_draft_layers: int = 0
+  pld_min_ngram: int = 2
+  pld_max_ngram: int = 3
+
+  @property
+  def kind(self) -> str:
+    return self.drafter or self.name
+
+  def validate(self):
+    if self.kind not in DRAFTERS:
+      raise EagleJaxError(f"method {self.name!r}: unknown drafter {self.kind!r}; choose from: "
+                          f"{', '.join(DRAFTERS)}")
+    if self.train and self.kind not in TRAINED:
+      raise EagleJaxError(f"method {self.name!r}: {self.kind} is not trainable (train: is for "
+                          f"{', '.join(TRAINED)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  prompts: str = "mtbench"  # "mtbench" or a JSONL file ({"turns": [...]} or {"prompt": ...})
+  num_questions: int = 80  # spread evenly over categories; 0 = all
+  categories: tuple[str, ...] = ()
+  turns: tuple[int, ...] = (1,)  # 1 and/or 2
+  temperatures: tuple[float, ...] = (0.0, 1.0)
+  batch_size: int = 1
+  max_new_tokens: int = 128
+  stop_at_eos: bool = True
+  seed: int = 0
+
+  def validate(self):
+    if not self.turns or set(self.turns) - {1, 2}:
+      raise EagleJaxError(f"turns must be a non-empty list of 1 and/or 2, got {list(self.turns)}")
+    if not self.temperatures or min(self.temperatures) < 0:
+      raise EagleJaxError(f"temperatures must be a non-empty list of values >= 0")
+    if self.batch_size < 1 or self.max_new_tokens < 1 or self.num_questions < 0:
+      raise EagleJaxError("batch_size and max_new_tokens must be >= 1, num_questions >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  name: str
+  methods: tuple[MethodConfig, ...]
+  model: str = DEFAULT_MODEL
+  runs_dir: str = "runs"
+  results_dir: str = "results"
+  eval: EvalConfig = EvalConfig()
+
+  def validate(self):
+    names = [m.name for m in self.methods]
+    if len(set(names)) != len(names):
+      raise EagleJaxError(f"method names must be unique, got {names}")
+    if "vanilla" not in [m.kind for m in self.methods]:
+      raise EagleJaxError("methods must include vanilla (the speedup and greedy-match baseline)")
+
+  @property
+  def vanilla(self) -> MethodConfig:
+    return next(m for m in self.methods if m.kind == "vanilla")
+
+
+def load_experiment(path: str, overrides=()) -> ExperimentConfig:
+  return load_config(ExperimentConfig, path, overrides)
+
+
+# -- preparation -------------------------------------------------------------------------------
+
+def ensure_checkpoint(method: MethodConfig, cfg: ExperimentConfig, progress: bool = True) -> str:
+  """The checkpoint a trained method uses, training it first if its run is unfinished."""
+  from eagle_jax.drafters.factory import find_checkpoint
+
+  if method.checkpoint:
+    return method.checkpoint
+  if not method.train:
+    return find_checkpoint(method.kind, cfg.runs_dir, cfg.model)
+  from eagle_jax.pipeline import TrainConfig, run_training
+
+  overrides = (f"runs_dir={cfg.runs_dir}", f"model={cfg.model}") + tuple(method.train_overrides)
+  tcfg = load_config(TrainConfig, method.train, overrides)
+  final = os.path.join(tcfg.runs_dir, tcfg.name, "final")
+  if not os.path.isfile(os.path.join(final, "drafter.json")):
+    print(f"[run] training {method.name}: {method.train} -> {final}", flush=True)
+    run_training(method.train, overrides, progress=progress)
+  return final
+
+
+def drafter_for(method: MethodConfig, target, cfg: ExperimentConfig, checkpoint: str | None):
+  from eagle_jax.drafters.factory import make_drafter
+
+  opts = DrafterOptions(gamma=method.gamma, pld_min_ngram=method.pld_min_ngram,
+                        pld_max_ngram=method.pld_max_ngram, draft_model=checkpoint or None,
+                        self_draft_layers=method.self_draft_layers, top_k=method.top_k,
+                        depth=method.depth, total_tokens=method.total_tokens, tree=method.tree,
+                        runs_dir=cfg.runs_dir)
+  return make_drafter(method.kind, target, opts, cfg.model)
+
+
+def questions_for(ev: EvalConfig):
+  from eagle_jax.data import load_jsonl_prompts, load_mtbench, pick_questions
+
+  qs = load_mtbench() if ev.prompts == "mtbench" else load_jsonl_prompts(ev.prompts)
+  return pick_questions(qs, ev.num_questions, ev.categories)
+
+
+# -- evaluation --------------------------------------------------------------------------------
+
+def run_unit(lm, drafter, dparams, prompts: list[dict], method: str, temperature: float,
+             ev: EvalConfig, progress: bool = True) -> list[dict]:
+  """Decodes ``prompts`` (dicts with id, category, turn, tokens) in batches; one record each."""
+  from tqdm import tqdm
+
+  from eagle_jax.generate import generate
+  from eagle_jax.sampling import SamplingParams
+  from eagle_jax.speculative import speculative_generate
+
+  params = SamplingParams(temperature=temperature)
+  stop = None if ev.stop_at_eos else ()
+  records = []
+  bar = tqdm(total=len(prompts), desc=f"{method} T={temperature}", unit="prompt", disable=not progress)
+  for i in range(0, len(prompts), ev.batch_size):
+    batch = prompts[i:i + ev.batch_size]
+    toks = [p["tokens"] for p in batch]
+    seed = ev.seed + i
+    if drafter is None:
+      g = generate(lm.model, toks, max_new_tokens=ev.max_new_tokens, params=params, seed=seed,
+                   stop_ids=stop)
+      accepted = drafted = [[] for _ in batch]
+    else:
+      g = speculative_generate(lm.model, drafter, dparams, toks, max_new_tokens=ev.max_new_tokens,
+                               params=params, seed=seed, stop_ids=stop)
+      accepted, drafted = g.accepted, g.drafted_depth
+    for j, p in enumerate(batch):
+      records.append({"id": p["id"], "category": p["category"], "turn": p["turn"], "method": method,
+                      "temperature": temperature, "prompt_tokens": len(p["tokens"]),
+                      "token_ids": list(g.tokens[j]), "new_tokens": int(g.num_new[j]),
+                      "seconds": g.seconds / len(batch), "accepted": list(accepted[j]),
+                      "drafted_depth": list(drafted[j])})
+    bar.update(len(batch))
+  bar.close()
+  return records
+
+
+def _read_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_atomic(path, text):
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def _unit(out, cfg, method: MethodConfig, temperature, checkpoint, prompts_key):
+  """``(records path, key)`` of one (method, temperature) evaluation."""
+  key = {"model": cfg.model, "method": to_dict(method), "checkpoint": checkpoint,
+         "temperature": temperature, "eval": to_dict(cfg.eval), "prompts": prompts_key}
+  return os.path.join(out, "records", f"{method.name}-T{temperature}.jsonl"), key
+
+
+def _cached(path, key):
+  try:
+    with open(path[:-len(".jsonl")] + ".key.json") as f:
+      return _read_jsonl(path) if json.load(f) == json.loads(json.dumps(key)) else None
+  except (OSError, ValueError):
+    return None
+
+
+def _store(path, key, records):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+  _write_atomic(path[:-len(".jsonl")] + ".key.json", json.dumps(key))
+
+
+def build_prompts(lm, questions, turns, first_answers: dict | None) -> list[dict]:
+  """Turn-1 prompts, and turn-2 prompts on the target's greedy first answers."""
+  out = []
+  for q in questions:
+    user1 = {"role": "user", "content": q.turns[0]}
+    if 1 in turns:
+      out.append({"id": q.question_id, "category": q.category, "turn": 1,
+                  "tokens": lm.tokenizer.chat_prompt([user1])})
+    if 2 in turns and len(q.turns) > 1:
+      answer = lm.tokenizer.decode(first_answers[q.question_id])
+      msgs = [user1, {"role": "assistant", "content": answer}, {"role": "user", "content": q.turns[1]}]
+      out.append({"id": q.question_id, "category": q.category, "turn": 2,
+                  "tokens": lm.tokenizer.chat_prompt(msgs)})
+  return out
+
+
+def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
+  from eagle_jax.registry import load_model
+  from eagle_jax.tables import render_markdown, summarize
+
+  cfg = load_experiment(path, overrides)
+  out = os.path.join(cfg.results_dir, cfg.name)
+  os.makedirs(out, exist_ok=True)
+  dump_config(cfg, os.path.join(out, "config.yaml"))
+  lm = load_model(cfg.model)
+  checkpoints = {m.name: ensure_checkpoint(m, cfg, progress) if m.kind in TRAINED else None
+                 for m in cfg.methods}
+  questions = questions_for(cfg.eval)
+  qkey = [q.question_id for q in questions]
+  first_answers = None
+  if 2 in cfg.eval.turns:  # the target's own greedy first answers
+    ev1 = dataclasses.replace(cfg.eval, turns=(1,))
+    apath, akey = _unit(out, dataclasses.replace(cfg, eval=ev1), cfg.vanilla, 0.0, None, qkey)
+    answers = _cached(apath, akey)
+    if answers is None:
+      answers = run_unit(lm, None, None, build_prompts(lm, questions, (1,), None), cfg.vanilla.name,
+                         0.0, ev1, progress)
+      _store(apath, akey, answers)
+    first_answers = {r["id"]: r["token_ids"] for r in answers}
+  prompts = build_prompts(lm, questions, cfg.eval.turns, first_answers)
+  units, drafters = {}, {}
+  costs_path = os.path.join(out, "costs.json")
+  costs = _load_costs(costs_path, cfg.model)
+  for temperature in cfg.eval.temperatures:
+    for m in cfg.methods:
+      upath, ukey = _unit(out, cfg, m, temperature, checkpoints[m.name], qkey)
+      records = _cached(upath, ukey)
+      if records is None:
+        if m.name not in drafters:
+          drafters[m.name] = drafter_for(m, lm.model, cfg, checkpoints[m.name])
+          _measure_costs(costs, m.name, lm.model, *drafters[m.name], prompts[0]["tokens"])
+          _write_atomic(costs_path, json.dumps(costs, indent=1))
+        records = run_unit(lm, *drafters[m.name], prompts, m.name, temperature, cfg.eval, progress)
+        _store(upath, ukey, records)
+      units[(m.name, temperature)] = records
+  summary = summarize(cfg, units, checkpoints, costs)
+  _write_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=1))
+  table = render_markdown([summary])
+  _write_atomic(os.path.join(out, "table.md"), table + "\n")
+  print(table)
+  return summary
+
+
+def _load_costs(path, model) -> dict:
+  try:
+    with open(path) as f:
+      costs = json.load(f)
+    if costs.get("model") == model:
+      return costs
+  except (OSError, ValueError):
+    pass
+  return {"model": model, "verify_cost_ms": {}, "draft_ms": {}, "num_nodes": {}}
+
+
+def _measure_costs(costs, name, target, drafter, dparams, prompt) -> None:
+  """Verify-cost curve (once) and the method's timed draft step, for predicted speedups."""
+  from eagle_jax.bench_spec import verify_cost_curve
+  from eagle_jax.budget import draft_cost_ms
+
+  if not costs["verify_cost_ms"]:
+    costs["verify_cost_ms"] = {str(k): v for k, v in verify_cost_curve(
+        target, sizes=(1, 2, 4, 8, 16, 32, 64, 96)).items()}
+  if drafter is not None:
+    costs["draft_ms"][name] = round(draft_cost_ms(drafter, dparams, target, prompt), 3)
+    costs["num_nodes"][name] = drafter.num_nodes

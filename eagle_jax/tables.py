@@ -1,0 +1,158 @@
+"""Experiment summaries and paper-style tables (``eagle-jax table RESULTS_DIR...``).
+
+Layout of Table 1 of the EAGLE-2 paper: rows are methods, columns are speedup and tau at each
+temperature; ``per_category`` adds one table per temperature with a column per category.
+Speedup = the method's tokens/s over vanilla's on the same prompts at the same temperature in
+the same run (at T=0 the outputs are identical, so this is also the ratio of seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.speculative import acceptance_rates
+
+TAU = "tokens per target forward (verify) pass, bonus token included, prefill excluded"
+
+
+def _tau(records):
+  steps = [a for r in records for a in r["accepted"]]
+  return round(float(np.mean(steps) + 1), 3) if steps else None
+
+
+def _tps(records):
+  return sum(r["new_tokens"] for r in records) / max(sum(r["seconds"] for r in records), 1e-9)
+
+
+def _cell(records, vanilla):
+  return {"tau": _tau(records), "tokens_per_s": round(_tps(records), 2),
+          "speedup": round(_tps(records) / _tps(vanilla), 3)}
+
+
+def _predicted(tau, costs, name):
+  curve = {int(k): v for k, v in costs.get("verify_cost_ms", {}).items()}
+  if tau is None or name not in costs.get("draft_ms", {}) or 1 not in curve:
+    return None
+  xs = sorted(curve)
+  verify = float(np.interp(costs["num_nodes"][name] + 1, xs, [curve[x] for x in xs]))
+  return round(tau * curve[1] / (verify + costs["draft_ms"][name]), 3)
+
+
+def summarize(cfg, units: dict, checkpoints: dict, costs: dict) -> dict:
+  """``summary.json`` of an experiment from its records (``units[(method, T)]``)."""
+  from eagle_jax.configs import to_dict
+
+  van = cfg.vanilla.name
+  methods = {}
+  for m in cfg.methods:
+    per_t = {}
+    for temp in cfg.eval.temperatures:
+      recs, vrecs = units[(m.name, temp)], units[(van, temp)]
+      entry = _cell(recs, vrecs)
+      alphas = acceptance_rates([r["accepted"] for r in recs], [r["drafted_depth"] for r in recs])
+      ref = {(r["id"], r["turn"]): r["token_ids"] for r in vrecs}
+      mismatches = sum(r["token_ids"] != ref[(r["id"], r["turn"])] for r in recs)
+      cats = sorted({r["category"] for r in recs})
+      entry.update({
+          "n_alpha": [None if a != a else round(a, 3) for a in alphas],
+          "seconds": round(sum(r["seconds"] for r in recs), 3),
+          "new_tokens": sum(r["new_tokens"] for r in recs),
+          "greedy_mismatches": mismatches if temp == 0 and m.name != van else None,
+          "predicted_speedup": _predicted(entry["tau"], costs, m.name),
+          "num_nodes": costs.get("num_nodes", {}).get(m.name),
+          "per_category": {c: _cell([r for r in recs if r["category"] == c],
+                                    [r for r in vrecs if r["category"] == c]) for c in cats}})
+      per_t[f"T{temp}"] = entry
+    methods[m.name] = {"drafter": m.kind, "checkpoint": checkpoints.get(m.name), **per_t}
+  ev = cfg.eval
+  return {"name": cfg.name, "model": cfg.model, "methods": methods,
+          "settings": {**to_dict(ev), "temperatures": list(ev.temperatures), "tau": TAU,
+                       "speedup": "tokens/s over vanilla's, same prompts, same run",
+                       "verify_cost_ms": costs.get("verify_cost_ms"),
+                       "prompts": f"{ev.prompts}: {ev.num_questions or 'all'} questions, turns "
+                                  f"{list(ev.turns)}"}}
+
+
+def read_summary(folder: str) -> dict:
+  path = os.path.join(folder, "summary.json")
+  if not os.path.isfile(path):
+    raise EagleJaxError(f"{folder}: no summary.json (run the experiment with eagle-jax run CONFIG)")
+  with open(path) as f:
+    return json.load(f)
+
+
+def _fmt(x, suffix=""):
+  return "-" if x is None else f"{x:.2f}{suffix}"
+
+
+def _rows(summaries):
+  """(label, method entry, temperatures) for every method of every summary."""
+  multi = len(summaries) > 1
+  for s in summaries:
+    temps = [f"T{t}" for t in s["settings"]["temperatures"]]
+    for name, entry in s["methods"].items():
+      yield (f"{s['name']}/{name}" if multi else name), entry, temps
+
+
+def render_markdown(summaries: list[dict], per_category: bool = False) -> str:
+  temps = list(dict.fromkeys(t for _, _, ts in _rows(summaries) for t in ts))
+  head = ["Method"] + [f"{c} ({t.replace('T', 'T=')})" for t in temps for c in ("Speedup", "τ")]
+  lines = ["| " + " | ".join(head + ["Notes"]) + " |", "|" + "---|" * (len(head) + 1)]
+  for label, e, _ in _rows(summaries):
+    cells = []
+    for t in temps:
+      cells += [_fmt(e.get(t, {}).get("speedup"), "x"), _fmt(e.get(t, {}).get("tau"))]
+    bad = [f"{t}: {e[t]['greedy_mismatches']} greedy mismatches vs vanilla" for t in temps
+           if (e.get(t) or {}).get("greedy_mismatches")]
+    lines.append("| " + " | ".join([label] + cells + ["; ".join(bad) or ""]) + " |")
+  s0 = summaries[0]["settings"]
+  lines.append(f"\nτ: {TAU}. Speedup: tokens/s over vanilla's on the same prompts in the same run. "
+               f"Prompts: {s0.get('prompts')}; max_new_tokens {s0.get('max_new_tokens')}, "
+               f"batch {s0.get('batch_size')}.")
+  if per_category:
+    for t in temps:
+      cats = sorted({c for _, e, _ in _rows(summaries) for c in e.get(t, {}).get("per_category", {})})
+      lines += ["", f"Per category, {t.replace('T', 'T=')} (speedup / τ):", "",
+                "| Method | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 1)]
+      for label, e, _ in _rows(summaries):
+        pc = e.get(t, {}).get("per_category", {})
+        lines.append("| " + " | ".join([label] + [
+            f"{_fmt(pc.get(c, {}).get('speedup'), 'x')} / {_fmt(pc.get(c, {}).get('tau'))}" for c in cats]) + " |")
+  return "\n".join(lines)
+
+
+def render_latex(summaries: list[dict], per_category: bool = False) -> str:
+  temps = list(dict.fromkeys(t for _, _, ts in _rows(summaries) for t in ts))
+  esc = lambda s: s.replace("_", r"\_").replace("%", r"\%")
+  out = [r"\begin{tabular}{l" + "cc" * len(temps) + "}", r"\toprule",
+         " & " + " & ".join(rf"\multicolumn{{2}}{{c}}{{$T={t[1:]}$}}" for t in temps) + r" \\",
+         "Method & " + " & ".join(["Speedup & $\\tau$"] * len(temps)) + r" \\", r"\midrule"]
+  for label, e, _ in _rows(summaries):
+    cells = []
+    for t in temps:
+      cells += [_fmt(e.get(t, {}).get("speedup"), r"$\times$"), _fmt(e.get(t, {}).get("tau"))]
+    out.append(esc(label) + " & " + " & ".join(cells) + r" \\")
+  out += [r"\bottomrule", r"\end{tabular}"]
+  if per_category:
+    for t in temps:
+      cats = sorted({c for _, e, _ in _rows(summaries) for c in e.get(t, {}).get("per_category", {})})
+      out += ["", rf"% per category, $T={t[1:]}$: speedup / $\tau$",
+              r"\begin{tabular}{l" + "c" * len(cats) + "}", r"\toprule",
+              "Method & " + " & ".join(esc(c) for c in cats) + r" \\", r"\midrule"]
+      for label, e, _ in _rows(summaries):
+        pc = e.get(t, {}).get("per_category", {})
+        out.append(esc(label) + " & " + " & ".join(
+            f"{_fmt(pc.get(c, {}).get('speedup'))} / {_fmt(pc.get(c, {}).get('tau'))}" for c in cats) + r" \\")
+      out += [r"\bottomrule", r"\end{tabular}"]
+  return "\n".join(out)
+
+
+def render(folders: list[str], fmt: str = "markdown", per_category: bool = False) -> str:
+  summaries = [read_summary(f) for f in folders]
+  if fmt == "latex":
+    return render_latex(summaries, per_category)
+  return render_markdown(summaries, per_category)
