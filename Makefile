@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	.venv/bin/eagle-jax demo
+	.venv/bin/eagle-jax run configs/quickstart.yaml
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -10,6 +10,8 @@ The run writes ``<results_dir>/<name>/``:
   generated token ids, seconds, per-step accepted counts and drafted depths), with a
   ``.key.json`` beside it naming what produced it: a unit whose key still matches is reused,
   so re-running a finished experiment only re-renders and an interrupted one resumes;
+- ``first-answers.jsonl``: vanilla's greedy first answers, when second turns are evaluated;
+- ``costs.json``: the verify-cost curve and each method's timed draft step (predicted speedup);
 - ``summary.json`` and ``table.md`` (:mod:`eagle_jax.tables`).
 
 Conventions: tau = tokens per target forward (verify) pass, the bonus token included, the
@@ -163,6 +165,7 @@ def run_unit(lm, drafter, dparams, prompts: list[dict], method: str, temperature
   params = SamplingParams(temperature=temperature)
   stop = None if ev.stop_at_eos else ()
   records = []
+  width = max(len(p["tokens"]) for p in prompts)  # one padded shape: one compilation per unit
   bar = tqdm(total=len(prompts), desc=f"{method} T={temperature}", unit="prompt", disable=not progress)
   for i in range(0, len(prompts), ev.batch_size):
     batch = prompts[i:i + ev.batch_size]
@@ -170,11 +173,11 @@ def run_unit(lm, drafter, dparams, prompts: list[dict], method: str, temperature
     seed = ev.seed + i
     if drafter is None:
       g = generate(lm.model, toks, max_new_tokens=ev.max_new_tokens, params=params, seed=seed,
-                   stop_ids=stop)
+                   stop_ids=stop, prompt_width=width)
       accepted = drafted = [[] for _ in batch]
     else:
       g = speculative_generate(lm.model, drafter, dparams, toks, max_new_tokens=ev.max_new_tokens,
-                               params=params, seed=seed, stop_ids=stop)
+                               params=params, seed=seed, stop_ids=stop, prompt_width=width)
       accepted, drafted = g.accepted, g.drafted_depth
     for j, p in enumerate(batch):
       records.append({"id": p["id"], "category": p["category"], "turn": p["turn"], "method": method,
@@ -199,10 +202,12 @@ def _write_atomic(path, text):
   os.replace(tmp, path)
 
 
-def _unit(out, cfg, method: MethodConfig, temperature, checkpoint, prompts_key):
+def _unit(out, cfg, method: MethodConfig, temperature, checkpoint, prompts_key, stem=None):
   """``(records path, key)`` of one (method, temperature) evaluation."""
   key = {"model": cfg.model, "method": to_dict(method), "checkpoint": checkpoint,
          "temperature": temperature, "eval": to_dict(cfg.eval), "prompts": prompts_key}
+  if stem:  # not a method's records (notebooks read records/<method>-T<temperature>.jsonl)
+    return os.path.join(out, f"{stem}.jsonl"), key
   return os.path.join(out, "records", f"{method.name}-T{temperature}.jsonl"), key
 
 
@@ -252,7 +257,8 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
   first_answers = None
   if 2 in cfg.eval.turns:  # the target's own greedy first answers
     ev1 = dataclasses.replace(cfg.eval, turns=(1,))
-    apath, akey = _unit(out, dataclasses.replace(cfg, eval=ev1), cfg.vanilla, 0.0, None, qkey)
+    apath, akey = _unit(out, dataclasses.replace(cfg, eval=ev1), cfg.vanilla, 0.0, None, qkey,
+                        stem="first-answers")
     answers = _cached(apath, akey)
     if answers is None:
       answers = run_unit(lm, None, None, build_prompts(lm, questions, (1,), None), cfg.vanilla.name,

@@ -50,12 +50,14 @@ class _LoopState:
   key: jax.Array
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = BUCKET, pad_id: int = 0):
-  """Right-pads prompts to a common bucketed length: ``tokens [B, P]``, ``lengths [B]``."""
+def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = BUCKET, pad_id: int = 0,
+                min_width: int = 0):
+  """Right-pads prompts to a common bucketed length (at least ``min_width``):
+  ``tokens [B, P]``, ``lengths [B]``."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise EagleJaxError("empty prompt: every prompt needs at least one token")
   lengths = np.array([len(p) for p in prompts], np.int32)
-  width = int(-(-lengths.max() // bucket) * bucket)
+  width = int(-(-max(int(lengths.max()), min_width) // bucket) * bucket)
   tokens = np.full((len(prompts), width), pad_id, np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
@@ -113,15 +115,16 @@ def _generate_jit(state, tokens_BxP, lengths_B, key, *, graphdef, max_new_tokens
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
              params: SamplingParams = SamplingParams(), seed: int = 0,
              stop_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
-             pad_id: int = 0) -> Generation:
+             pad_id: int = 0, prompt_width: int = 0) -> Generation:
   """Decodes ``max_new_tokens`` (or until a stop token) for each prompt (token id lists).
 
   ``stop_ids`` defaults to the config's EOS ids; pass ``()`` to ignore EOS. The cache holds
   the longest prompt plus ``max_new_tokens``; ``max_cache_len`` (default: the model's
-  context length) bounds it.
+  context length) bounds it. Prompts are padded to a bucketed width of at least
+  ``prompt_width``: evaluations pass their longest prompt so that one compilation serves all.
   """
   tokens_BxP, lengths_B, cache_len, stop = prepare_prompts(
-      model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id)
+      model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id, prompt_width=prompt_width)
   graphdef, state = nnx.split(model)
   args = (state, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
   statics = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, cache_len=cache_len,
@@ -132,7 +135,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 
 
 def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_len: int | None,
-                    stop_ids, pad_id: int, draft_nodes: int = 0):
+                    stop_ids, pad_id: int, draft_nodes: int = 0, prompt_width: int = 0):
   """Validates a decoding request; returns padded prompts, lengths, cache length, stop ids.
 
   The cache holds the longest prompt, ``max_new_tokens`` and, for speculative decoding,
@@ -141,7 +144,7 @@ def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_
   if max_new_tokens < 1:
     raise EagleJaxError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   limit = max_cache_len or model.config.max_position_embeddings
-  tokens_BxP, lengths_B = pad_prompts(prompts, pad_id=pad_id)
+  tokens_BxP, lengths_B = pad_prompts(prompts, pad_id=pad_id, min_width=prompt_width)
   extra = 2 * (draft_nodes + 1) if draft_nodes else 0
   need = int(lengths_B.max()) + max_new_tokens + extra
   if need > limit:

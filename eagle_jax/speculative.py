@@ -206,10 +206,13 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
 def speculative_generate(model: Transformer, drafter, dparams, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: int = 128, params: SamplingParams = SamplingParams(),
                          seed: int = 0, stop_ids: Sequence[int] | None = None,
-                         max_cache_len: int | None = None, pad_id: int = 0) -> SpecGeneration:
-  """Speculative decoding of each prompt; output distributed exactly as :func:`generate`'s."""
+                         max_cache_len: int | None = None, pad_id: int = 0,
+                         prompt_width: int = 0) -> SpecGeneration:
+  """Speculative decoding of each prompt; output distributed exactly as :func:`generate`'s
+  (``prompt_width``: as for :func:`~eagle_jax.generate.generate`)."""
   tokens_BxP, lengths_B, cache_len, stop = prepare_prompts(
-      model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id, draft_nodes=drafter.num_nodes)
+      model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id, draft_nodes=drafter.num_nodes,
+      prompt_width=prompt_width)
   graphdef, state = nnx.split(model)
   args = (state, dparams, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
   statics = dict(graphdef=graphdef, drafter=drafter, max_new_tokens=max_new_tokens,

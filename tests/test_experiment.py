@@ -1,0 +1,146 @@
+"""Experiment configs, the runner (``eagle-jax run``) and tables (``eagle-jax table``)."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from eagle_jax import experiment
+from eagle_jax.cli import main
+from eagle_jax.configs import load_config
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.experiment import ExperimentConfig, load_experiment
+from eagle_jax.pipeline import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.relpath(p, ROOT) for p in CONFIGS])
+def test_every_config_loads_and_says_how_to_run_it(path):
+  with open(path) as f:
+    header = [l for l in f.read().splitlines() if l.startswith("#")]
+  assert any("Run" in l for l in header), f"{path}: header must give the command that runs it"
+  if f"{os.sep}train{os.sep}" in path:
+    load_config(TrainConfig, path)
+    return
+  assert any("Reaches" in l for l in header), f"{path}: header must say what it should reach"
+  cfg = load_experiment(path)
+  for m in cfg.methods:
+    if m.train:
+      load_config(TrainConfig, os.path.join(ROOT, m.train))
+
+
+def test_one_config_per_method_and_the_quickstart():
+  names = {os.path.basename(p)[:-5] for p in CONFIGS if os.path.dirname(p).endswith("configs")}
+  assert {"vanilla", "pld", "self-draft", "draft-model", "medusa", "eagle1", "eagle2", "eagle3",
+          "quickstart"} <= names
+  quick = load_experiment(os.path.join(ROOT, "configs", "quickstart.yaml"))
+  assert {m.kind for m in quick.methods} == {"vanilla", "pld", "self-draft", "draft-model", "medusa",
+                                              "eagle1", "eagle2", "eagle3"}
+  assert quick.eval.num_questions == 16
+
+
+@pytest.mark.parametrize("text,match", [
+    ("name: x\nmethods: [{name: vanilla, gama: 3}]\n", "unknown key 'methods\\[0\\].gama'"),
+    ("name: x\nmethods: [{name: vanilla}, {name: eagle9}]\n", "unknown drafter 'eagle9'"),
+    ("name: x\nmethods: [{name: pld}]\n", "must include vanilla"),
+    ("name: x\nmethods: [{name: vanilla}]\neval: {turns: [3]}\n", "turns"),
+    ("name: x\nmethods: [{name: vanilla}, {name: pld, train: a.yaml}]\n", "not trainable"),
+])
+def test_malformed_configs_fail_in_one_line(tmp_path, capsys, text, match):
+  path = tmp_path / "bad.yaml"
+  path.write_text(text)
+  with pytest.raises(EagleJaxError, match=match):
+    load_experiment(str(path))
+  assert main(["run", str(path)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "bad.yaml" in err
+
+
+CONFIG = """
+name: tiny
+results_dir: {results}
+runs_dir: {runs}
+methods:
+  - {{name: vanilla}}
+  - {{name: pld}}
+  - {{name: skip2, drafter: self-draft, self_draft_layers: 2, gamma: 2}}
+eval: {{prompts: {prompts}, num_questions: 2, turns: [1, 2], temperatures: [0.0, 1.0],
+        max_new_tokens: 8}}
+"""
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("exp")
+  path = tmp / "exp.yaml"
+  path.write_text(CONFIG.format(results=tmp / "results", runs=tmp / "runs", prompts="mtbench"))
+  assert main(["run", str(path)]) == 0
+  return path, tmp / "results" / "tiny"
+
+
+def test_runner_writes_records_summary_and_table(finished):
+  _, out = finished
+  summary = json.loads((out / "summary.json").read_text())
+  assert set(summary["methods"]) == {"vanilla", "pld", "skip2"}
+  for name in ("pld", "skip2"):
+    t0, t1 = summary["methods"][name]["T0.0"], summary["methods"][name]["T1.0"]
+    assert t0["greedy_mismatches"] == 0 and t1["greedy_mismatches"] is None
+    assert t0["tau"] >= 1.0 and t0["speedup"] > 0 and t0["predicted_speedup"] > 0
+    assert len(t0["n_alpha"]) >= 1 and set(t0["per_category"]) == {"writing", "roleplay"}
+  assert summary["methods"]["vanilla"]["T0.0"]["tau"] is None
+  records = [json.loads(l) for l in (out / "records" / "skip2-T0.0.jsonl").read_text().splitlines()]
+  assert [(r["id"], r["turn"]) for r in records] == [("81", 1), ("81", 2), ("91", 1), ("91", 2)]
+  assert all(len(r["accepted"]) == len(r["drafted_depth"]) >= 1 for r in records)
+  assert all(r["new_tokens"] == len(r["token_ids"]) for r in records)
+  table = (out / "table.md").read_text()
+  assert "| skip2 |" in table and "Speedup (T=0.0)" in table
+  assert (out / "config.yaml").is_file()
+
+
+def test_rerun_only_rerenders(finished, monkeypatch, capsys):
+  path, out = finished
+  before = (out / "records" / "pld-T1.0.jsonl").read_text()
+
+  def boom(*a, **k):
+    raise AssertionError("a finished unit was evaluated again")
+
+  monkeypatch.setattr(experiment, "run_unit", boom)
+  capsys.readouterr()
+  assert main(["run", str(path)]) == 0
+  assert "| pld |" in capsys.readouterr().out
+  assert (out / "records" / "pld-T1.0.jsonl").read_text() == before
+  # a changed method re-evaluates that method only
+  calls = []
+  monkeypatch.setattr(experiment, "run_unit", lambda *a, **k: calls.append(a[4]) or boom())
+  with pytest.raises(AssertionError):
+    main(["run", str(path), "eval.max_new_tokens=9"])
+  assert calls == ["vanilla"]
+
+
+def test_table_command_markdown_and_latex(finished, capsys):
+  _, out = finished
+  capsys.readouterr()
+  assert main(["table", str(out), str(out), "--per-category"]) == 0
+  md = capsys.readouterr().out
+  assert "| tiny/pld |" in md and "Per category, T=0.0" in md
+  assert main(["table", str(out), "--format", "latex"]) == 0
+  tex = capsys.readouterr().out
+  assert r"\begin{tabular}" in tex and "skip2 &" in tex
+  assert main(["table", str(out / "nope")]) == 2
+
+
+def test_jsonl_prompts(tmp_path):
+  prompts = tmp_path / "mine.jsonl"
+  prompts.write_text('{"prompt": "Say hi.", "category": "greet"}\n'
+                     '{"turns": ["Count to three.", "Now backwards."], "category": "count"}\n')
+  path = tmp_path / "exp.yaml"
+  path.write_text(CONFIG.format(results=tmp_path / "r", runs=tmp_path / "runs", prompts=prompts)
+                  .replace("temperatures: [0.0, 1.0]", "temperatures: [0.0]")
+                  .replace("  - {name: skip2, drafter: self-draft, self_draft_layers: 2, gamma: 2}\n", ""))
+  summary = experiment.run_experiment(str(path), progress=False)
+  assert set(summary["methods"]["pld"]["T0.0"]["per_category"]) == {"greet", "count"}
+  records = (tmp_path / "r" / "tiny" / "records" / "pld-T0.0.jsonl").read_text().splitlines()
+  assert len(records) == 3  # two first turns and one second turn
