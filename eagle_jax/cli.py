@@ -105,7 +105,8 @@ def _cmd_table(args) -> None:
 
 
 def _cmd_tune(args) -> None:
-  from eagle_jax.pipeline import TuneConfig, TrainConfig, tune_run
+  from eagle_jax.exported import read_meta
+  from eagle_jax.pipeline import TuneConfig, TrainConfig, tune_medusa, tune_run
   from eagle_jax.registry import load_model
 
   lm = load_model(args.model)
@@ -113,8 +114,11 @@ def _cmd_tune(args) -> None:
   cfg = TrainConfig(name="tune", drafter="eagle1", tune=TuneConfig(
       prompts=args.prompts, top_ks=ints(args.top_ks), depths=ints(args.depths),
       max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens))
-  result = tune_run(args.checkpoint, lm, cfg)
-  print(json.dumps({k: v for k, v in result.items() if k != "by_setting"}))
+  if read_meta(args.checkpoint).get("drafter") == "medusa":
+    result = tune_medusa(args.checkpoint, lm, cfg)
+  else:
+    result = tune_run(args.checkpoint, lm, cfg)
+  print(json.dumps({k: v for k, v in result.items() if k not in ("by_setting", "rows", "tree")}))
 
 
 def _cmd_demo(args) -> None:
@@ -221,13 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
   tb.add_argument("--per-category", action="store_true", help="add per-category tables")
   tb.set_defaults(func=_cmd_table)
 
-  tu = sub.add_parser("tune", help="pick an EAGLE-2 tree budget for this machine")
+  tu = sub.add_parser("tune", help="pick an EAGLE-2 or Medusa tree budget for this machine")
   tu.add_argument("checkpoint", help="trained run folder or its final/")
   tu.add_argument("--model", default=DEFAULT_MODEL)
   tu.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT prompts decoded")
   tu.add_argument("--top-ks", default="4,8", help="comma-separated top_k values to try")
   tu.add_argument("--depths", default="4,6", help="comma-separated depths to try")
-  tu.add_argument("--max-nodes", type=int, default=64, help="largest total_tokens considered")
+  tu.add_argument("--max-nodes", type=int, default=64, help="largest total_tokens considered "
+                  "(the only setting Medusa's tree search uses)")
   tu.add_argument("--max-new-tokens", type=int, default=48)
   tu.set_defaults(func=_cmd_tune)
 

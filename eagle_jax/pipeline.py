@@ -335,9 +335,9 @@ def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
   return result
 
 
-def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict) -> dict:
+def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict | None = None) -> dict:
   """Picks the Medusa tree budget (:func:`eagle_jax.medusa.tune_tree`); records it and the
-  held-out rank accuracies it came from in ``drafter.json``."""
+  held-out rank accuracies it came from in ``drafter.json`` (re-tuning reuses those)."""
   from eagle_jax.bench_spec import verify_cost_curve
   from eagle_jax.budget import draft_cost_ms
   from eagle_jax.drafters.medusa import MedusaDrafter
@@ -347,7 +347,10 @@ def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict) 
   t = cfg.tune if cfg else TuneConfig()
   final = final_folder(final)
   heads, meta = load_drafter(final, ("medusa",))
-  acc = rank_accuracies(heldout_metrics, heads.config.num_heads)
+  if heldout_metrics is None and "rank_acc" not in meta:
+    raise EagleJaxError(f"{final}: no held-out rank accuracies recorded; re-run its training")
+  acc = meta["rank_acc"] if heldout_metrics is None else rank_accuracies(
+      heldout_metrics, heads.config.num_heads)
   drafter, dparams = MedusaDrafter.create(heads, TreeSpec.from_choices(best_tree(acc, t.max_nodes)[0]))
   prompt = heldout_prompts(lm.tokenizer, 1, cfg)[0]
   grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)

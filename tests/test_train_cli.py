@@ -87,6 +87,15 @@ def test_tune_command_rewrites_the_budget_of_a_run(trained, capsys):
   assert not (runs / "tiny-eagle3" / "drafter.json").exists()
 
 
+def test_tune_command_retunes_a_medusa_tree(trained, capsys):
+  runs, _ = trained
+  capsys.readouterr()
+  assert main(["tune", str(runs / "tiny-medusa"), "--max-nodes", "3"]) == 0
+  result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  meta = json.loads((runs / "tiny-medusa" / "final" / "drafter.json").read_text())
+  assert 1 <= result["total_tokens"] == meta["budget"]["total_tokens"] == len(meta["budget"]["tree"]) <= 3
+
+
 def test_rerun_reuses_finished_run_and_features(trained, capsys):
   runs, configs = trained
   capsys.readouterr()
