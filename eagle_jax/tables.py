@@ -19,18 +19,20 @@ from eagle_jax.speculative import acceptance_rates
 TAU = "tokens per target forward (verify) pass, bonus token included, prefill excluded"
 
 
-def _tau(records):
+def tau_of(records) -> float | None:
+  """Mean tau of run records (None without verify steps, i.e. vanilla)."""
   steps = [a for r in records for a in r["accepted"]]
   return round(float(np.mean(steps) + 1), 3) if steps else None
 
 
-def _tps(records):
+def tokens_per_s(records) -> float:
+  """Generated tokens over decoding seconds (compilation excluded) of run records."""
   return sum(r["new_tokens"] for r in records) / max(sum(r["seconds"] for r in records), 1e-9)
 
 
 def _cell(records, vanilla):
-  return {"tau": _tau(records), "tokens_per_s": round(_tps(records), 2),
-          "speedup": round(_tps(records) / _tps(vanilla), 3)}
+  return {"tau": tau_of(records), "tokens_per_s": round(tokens_per_s(records), 2),
+          "speedup": round(tokens_per_s(records) / tokens_per_s(vanilla), 3)}
 
 
 def _predicted(tau, costs, name):

@@ -40,7 +40,7 @@ from eagle_jax.experiment import (TRAINED, EvalConfig, ExperimentConfig, MethodC
                                   build_prompts, drafter_for, ensure_checkpoint, questions_for,
                                   run_unit)
 from eagle_jax.registry import DEFAULT_MODEL, load_model
-from eagle_jax.tables import TAU
+from eagle_jax.tables import TAU, tau_of, tokens_per_s
 
 CHAIN = ("pld", "eagle1", "self-draft", "draft-model")  # budget = gamma, the chain length
 TREE = ("eagle2", "eagle3", "medusa")  # budget = total_tokens, the tree's node count
@@ -107,10 +107,8 @@ class Bench:
 
 
 def tau_and_tps(records) -> tuple[float | None, float]:
-  """tau (None without verify steps, i.e. vanilla) and tokens/s of ``run_unit`` records."""
-  steps = [a for r in records for a in r["accepted"]]
-  tau = round(float(np.mean(steps)) + 1, 3) if steps else None
-  return tau, sum(r["new_tokens"] for r in records) / max(sum(r["seconds"] for r in records), 1e-9)
+  """tau (None for vanilla) and tokens/s of ``run_unit`` records, as the runner's tables."""
+  return tau_of(records), tokens_per_s(records)
 
 
 def rows_of(method, x, records, vanilla, predicted=None, per_category=False) -> list[dict]:
