@@ -311,19 +311,24 @@ def heldout_prompts(tokenizer, count: int, cfg: TrainConfig | None = None) -> li
   return out
 
 
+def _tuning_curve(target, max_nodes: int) -> dict[int, float]:
+  """Verify costs at the grid sizes up to ``max_nodes + 1`` (and the next one, to interpolate)."""
+  from eagle_jax.bench_spec import verify_cost_curve
+
+  grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)
+  sizes = tuple(n for n in grid if n <= max_nodes + 1) + tuple(n for n in grid if n > max_nodes + 1)[:1]
+  return verify_cost_curve(target, sizes=sizes)
+
+
 def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
   """Tunes the EAGLE-2 budget of the head in ``final`` and records it in ``drafter.json``."""
-  from eagle_jax.bench_spec import verify_cost_curve
   from eagle_jax.budget import tune_budget
 
   t = cfg.tune if cfg else TuneConfig()
   final = final_folder(final)
   head, meta = load_head(final)
   prompts = heldout_prompts(lm.tokenizer, t.prompts, cfg)
-  grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)
-  sizes = tuple(n for n in grid if n <= t.max_nodes + 1) + tuple(
-      n for n in grid if n > t.max_nodes + 1)[:1]
-  result = tune_budget(head, lm.model, prompts, curve=verify_cost_curve(lm.model, sizes=sizes),
+  result = tune_budget(head, lm.model, prompts, curve=_tuning_curve(lm.model, t.max_nodes),
                        top_ks=t.top_ks, depths=t.depths, max_nodes=t.max_nodes,
                        max_new_tokens=t.max_new_tokens)
   with open(os.path.join(final, "budget.json"), "w") as f:
@@ -338,7 +343,6 @@ def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
 def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict | None = None) -> dict:
   """Picks the Medusa tree budget (:func:`eagle_jax.medusa.tune_tree`); records it and the
   held-out rank accuracies it came from in ``drafter.json`` (re-tuning reuses those)."""
-  from eagle_jax.bench_spec import verify_cost_curve
   from eagle_jax.budget import draft_cost_ms
   from eagle_jax.drafters.medusa import MedusaDrafter
   from eagle_jax.medusa import best_tree, rank_accuracies, tune_tree
@@ -353,10 +357,8 @@ def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict |
       heldout_metrics, heads.config.num_heads)
   drafter, dparams = MedusaDrafter.create(heads, TreeSpec.from_choices(best_tree(acc, t.max_nodes)[0]))
   prompt = heldout_prompts(lm.tokenizer, 1, cfg)[0]
-  grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)
-  sizes = tuple(n for n in grid if n <= t.max_nodes + 1) + tuple(n for n in grid if n > t.max_nodes + 1)[:1]
   result = tune_tree(draft_cost_ms(drafter, dparams, lm.model, prompt), acc,
-                     verify_cost_curve(lm.model, sizes=sizes), max_nodes=t.max_nodes)
+                     _tuning_curve(lm.model, t.max_nodes), max_nodes=t.max_nodes)
   with open(os.path.join(final, "budget.json"), "w") as f:
     json.dump(result, f, indent=1)
   meta["rank_acc"] = [[round(a, 5) for a in row] for row in acc]

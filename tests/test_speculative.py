@@ -136,3 +136,23 @@ def test_real_model_greedy_lossless_20_prompts(smollm, mtbench_prompts, name):
   for p, ref in zip(prompts, vanilla):
     assert speculative_generate(target, drafter, dparams, [p], max_new_tokens=48).tokens[0] == ref
   assert min(taus) >= 1.0
+
+
+def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
+  """Every tuning after a training and the runner ask for the curve; each size is timed once."""
+  from eagle_jax import bench_spec
+
+  timed = []
+
+  def fake_median_ms(fn, *args, repeats=10):
+    timed.append(args[1].shape[1])
+    return float(args[1].shape[1])
+
+  monkeypatch.setattr(bench_spec, "median_ms", fake_median_ms)
+  monkeypatch.setattr(bench_spec, "_VERIFY_MS", {})
+  model = tiny()
+  assert bench_spec.verify_cost_curve(model, sizes=(1, 2), repeats=1) == {1: 1.0, 2: 2.0}
+  assert bench_spec.verify_cost_curve(tiny(seed=1), sizes=(2, 4), repeats=1) == {2: 2.0, 4: 4.0}
+  assert timed == [1, 2, 4]  # same architecture, other weights: size 2 is not timed again
+  bench_spec.verify_cost_curve(tiny(num_layers=3), sizes=(2,), repeats=1)
+  assert timed == [1, 2, 4, 2]  # another architecture is
