@@ -114,9 +114,18 @@ def test_sampling_end_to_end_matches_vanilla(name):
   assert spec.tau > 1.0 or name == "pld"
 
 
+@pytest.fixture(scope="module")
+def vanilla20(smollm, mtbench_prompts):
+  """20 MT-bench prompts, their common padded width, and vanilla greedy output, one at a time."""
+  prompts = mtbench_prompts[::4][:20]
+  width = max(map(len, prompts))  # one padded shape: one compilation per decode function
+  return prompts, width, [generate(smollm.model, [p], max_new_tokens=48, prompt_width=width).tokens[0]
+                          for p in prompts]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pld", "self-draft", "draft-model"])
-def test_real_model_greedy_lossless_20_prompts(smollm, mtbench_prompts, name):
+def test_real_model_greedy_lossless_20_prompts(smollm, vanilla20, name):
   """20 MT-bench prompts, batch 1 and ragged batches of 4: identical to vanilla greedy."""
   target = smollm.model
   if name == "pld":
@@ -126,15 +135,16 @@ def test_real_model_greedy_lossless_20_prompts(smollm, mtbench_prompts, name):
   else:  # an untrained random draft model sharing the tokenizer: the worst honest draft
     cfg = tiny_config(vocab_size=target.config.vocab_size, hidden_size=64, num_layers=2)
     drafter, dparams = DraftModelDrafter.create(Transformer(cfg, rngs=nnx.Rngs(0)), gamma=3)
-  prompts = mtbench_prompts[::4][:20]
-  vanilla = [generate(target, [p], max_new_tokens=48).tokens[0] for p in prompts]
+  prompts, width, vanilla = vanilla20
+  spec = lambda batch: speculative_generate(target, drafter, dparams, batch, max_new_tokens=48,
+                                            prompt_width=width)
   taus = []
   for i in range(0, 20, 4):
-    batch = speculative_generate(target, drafter, dparams, prompts[i:i + 4], max_new_tokens=48)
+    batch = spec(prompts[i:i + 4])
     assert batch.tokens == vanilla[i:i + 4]
     taus.append(batch.tau)
   for p, ref in zip(prompts, vanilla):
-    assert speculative_generate(target, drafter, dparams, [p], max_new_tokens=48).tokens[0] == ref
+    assert spec([p]).tokens[0] == ref
   assert min(taus) >= 1.0
 
 
