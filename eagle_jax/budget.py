@@ -12,7 +12,7 @@ compiling every setting, so we predict instead, from three measurements on this 
    smaller budget would verify from different roots; on tiny models it was exact from n = 3
    and within 0.3% below).
 2. **Verify cost** c(n + 1): one target forward over ``n`` nodes plus the root
-   (:func:`eagle_jax.bench_spec.verify_cost_curve`).
+   (:func:`eagle_jax.costs.verify_cost_curve`).
 3. **Draft cost** d(depth): the head's propose + update, timed jitted.
 
 Predicted tokens/s(n, depth) = tau(n) / (c(n + 1) + d(depth)); the best pair wins. Prompts are
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle_jax.costs import median_ms
 from eagle_jax.drafters.base import Accepted
 from eagle_jax.drafters.eagle import EagleDrafter
 from eagle_jax.sampling import SamplingParams
@@ -59,8 +60,6 @@ def draft_cost_ms(drafter: EagleDrafter, dparams, target, prompt, repeats: int =
   def step(dparams, state, acc):
     state = drafter.update(dparams, state, acc)
     return drafter.propose(dparams, state, acc.tokens_BxK[:, 0], jax.random.key(0), SamplingParams())
-
-  from eagle_jax.bench_spec import median_ms
 
   return median_ms(step, dparams, state, acc, repeats=repeats)
 

@@ -131,6 +131,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--gamma", type=int, default=0, help="draft length (0 = drafter default)")
   p.add_argument("--pld-min-ngram", type=int, default=2)
   p.add_argument("--pld-max-ngram", type=int, default=3)
+  p.add_argument("--pld-widths", type=_int_list, default=(),
+                 help="pld: draft widths to choose from, e.g. 3,8 (default: 3 and gamma)")
+  p.add_argument("--no-pld-adaptive", dest="pld_adaptive", action="store_false",
+                 help="pld: draft every match at full gamma instead of the cost-aware width")
   p.add_argument("--drafter-ckpt", default=None,
                  help="draft-model: a trained run folder, registered name, HF folder or .gguf "
                  "sharing the tokenizer; medusa, eagle1/2/3: a trained run folder or its final/ "
@@ -147,11 +151,19 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                  help="self-draft: target layers used as the draft (0 = a third)")
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _drafter_options(args):
   from eagle_jax.drafters.factory import DrafterOptions
 
   return DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
-                        pld_max_ngram=args.pld_max_ngram, draft_model=args.drafter_ckpt,
+                        pld_max_ngram=args.pld_max_ngram, pld_adaptive=args.pld_adaptive,
+                        pld_widths=args.pld_widths, draft_model=args.drafter_ckpt,
                         self_draft_layers=args.self_draft_layers, top_k=args.top_k_tree,
                         depth=args.depth, total_tokens=args.total_tokens, tree=args.tree,
                         runs_dir=args.runs_dir)

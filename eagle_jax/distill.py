@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
+from eagle_jax.costs import median_ms
 from eagle_jax.eagle_head import Frozen
 from eagle_jax.eagle_train import _shift
 from eagle_jax.errors import EagleJaxError
@@ -200,8 +201,6 @@ def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
 def _decode_step_ms(model: Transformer, steps: int, context: int, repeats: int) -> float:
   """Median ms of one batch-1 one-token decode step: ``steps`` chained steps (argmax fed back,
   KV cache carried, as when drafting) after ``context`` cached tokens, in one jitted call."""
-  from eagle_jax.bench_spec import median_ms  # local: bench_spec imports the drafter factory
-
   graphdef, state = nnx.split(model)
 
   @jax.jit

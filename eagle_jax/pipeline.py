@@ -313,7 +313,7 @@ def heldout_prompts(tokenizer, count: int, cfg: TrainConfig | None = None) -> li
 
 def _tuning_curve(target, max_nodes: int) -> dict[int, float]:
   """Verify costs at the grid sizes up to ``max_nodes + 1`` (and the next one, to interpolate)."""
-  from eagle_jax.bench_spec import verify_cost_curve
+  from eagle_jax.costs import verify_cost_curve
 
   grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)
   sizes = tuple(n for n in grid if n <= max_nodes + 1) + tuple(n for n in grid if n > max_nodes + 1)[:1]

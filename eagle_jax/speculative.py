@@ -4,6 +4,13 @@ Every drafter plugs into the same verify step (:mod:`eagle_jax.verify`), so acce
 are comparable and outputs are the target's. Statistics per step and row: the number of
 accepted draft tokens (-1 once the row has finished) and the depth that was drafted.
 
+Verify widths: a drafter may declare a ladder of node counts (``widths``, ascending, the largest
+= ``num_nodes``; default ``(num_nodes,)``). Each step the loop verifies the smallest width that
+holds every active row's valid nodes, and takes plain one-token decode steps while no row has
+a draft: each width is its own compiled step inside its own inner ``while_loop``, so a drafter
+that drafts little pays for a small target pass, and one that drafts nothing costs (almost)
+nothing.
+
 Counting convention: **tau** = tokens emitted per target verify pass, *including* the target's
 bonus token (accepted drafts + 1), averaged over verify passes; the prefill pass that emits
 the first token is not counted. **n-alpha** = P(draft token at depth n accepted | depths
@@ -81,6 +88,14 @@ class _SpecState:
   path_BxSxD: jax.Array
 
 
+def verify_widths(drafter) -> tuple[int, ...]:
+  """The drafter's ladder of verify widths (ascending, ending at ``num_nodes``)."""
+  widths = tuple(getattr(drafter, "widths", ()) or (drafter.num_nodes,))
+  if list(widths) != sorted(set(widths)) or widths[0] < 1 or widths[-1] != drafter.num_nodes:
+    raise ValueError(f"drafter widths {widths} must ascend from >= 1 to num_nodes={drafter.num_nodes}")
+  return widths
+
+
 def features_of(out, layers: tuple[int, ...]) -> jax.Array:
   """The drafter's target features: the top hidden state, or chosen layers concatenated."""
   return jnp.concatenate(out.layer_hiddens, -1) if layers else out.hidden_BxTxD
@@ -151,11 +166,12 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
       depth_BxS=jnp.zeros((b, max_new_tokens), jnp.int32),
       path_BxSxD=jnp.zeros((b, max_new_tokens, d), jnp.int32))
 
-  def step(s: _SpecState, use_draft: bool) -> _SpecState:
-    """Verify ``s.draft`` (or, without it, a plain decode step), emit, update, draft again."""
+  def step(s: _SpecState, width: int) -> _SpecState:
+    """Verify the first ``width`` nodes of ``s.draft`` (0: a plain decode step), emit, update,
+    draft again."""
     key, k_draft, k_verify = jax.random.split(s.key, 3)
     active_B = ~s.done_B
-    draft = s.draft if use_draft else jax.tree.map(lambda x: x[:, :0], s.draft)
+    draft = jax.tree.map(lambda x: x[:, :width], s.draft)
     cache, verdict, emitted_BxK, feats, depth_B = _target_pass(
         model, s.cache, s.root_B, draft, k_verify, params, d, layers)
     cache = cache.replace(lengths_B=jnp.where(active_B, cache.lengths_B, s.cache.lengths_B))
@@ -185,18 +201,26 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
         path_BxSxD=s.path_BxSxD.at[:, step_col].set(jnp.where(
             jnp.arange(d)[None] < verdict.num_accepted_B[:, None], verdict.path_BxD, 0)))
 
+  rungs = (0,) + verify_widths(drafter)
+  rungs_R = jnp.asarray(rungs, jnp.int32)
+
   def cond(s):
     return ~jnp.all(s.done_B)
 
-  def no_draft(s):
-    return cond(s) & ~jnp.any(s.draft.valid_BxN & ~s.done_B[:, None])
+  def rung(s):
+    """Index of the smallest width holding every active row's valid nodes (0: none)."""
+    slots_BxN = jnp.arange(1, s.draft.valid_BxN.shape[1] + 1)[None, :]
+    need = jnp.max(jnp.where(s.draft.valid_BxN & ~s.done_B[:, None], slots_BxN, 0))
+    return jnp.sum(rungs_R < need)
 
   def body(s):
-    # Plain decode steps while no active row has a draft (an inner loop rather than a
-    # lax.cond per step, which would copy the cache), then one verify step. If every row
-    # finished in the inner loop, that verify step changes nothing (all rows are masked).
-    s = jax.lax.while_loop(no_draft, lambda s: step(s, use_draft=False), s)
-    return step(s, use_draft=True)
+    # One inner loop per width, each running while the current draft needs exactly that width
+    # (inner loops rather than a lax.switch per step, which would copy the cache). The loop of
+    # the width needed on entry runs at least once, so every pass makes progress.
+    for r, width in enumerate(rungs):
+      s = jax.lax.while_loop(lambda s, r=r: cond(s) & (rung(s) == r),
+                             lambda s, width=width: step(s, width), s)
+    return s
 
   s = jax.lax.while_loop(cond, body, s)
   return s.out_BxN, s.num_new_B, s.accepted_BxS, s.depth_BxS, s.path_BxSxD

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from eagle_jax.bench_spec import verify_cost_curve
 from eagle_jax.budget import draft_cost_ms
+from eagle_jax.costs import verify_cost_curve
 from eagle_jax.distill import predicted_speedup
 from eagle_jax.drafters.eagle import EagleDrafter
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig

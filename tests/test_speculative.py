@@ -58,13 +58,16 @@ def _drafters(target):
   other = Transformer(tiny_config(), rngs=nnx.Rngs(7))  # a different (bad) draft model
   return {
       "pld": (PromptLookupDrafter(gamma=4, max_ngram=2), None),
+      # cost-aware widths; equal costs make wide drafts pay, so every width is exercised
+      "pld-widths": (PromptLookupDrafter(gamma=4, max_ngram=2, widths=(1, 2, 4),
+                                         costs=(1.0, 1.0, 1.0)), None),
       "draft-model": DraftModelDrafter.create(other, gamma=3),
       "self-draft": DraftModelDrafter.create(self_draft_model(target, 1), gamma=3),
       "random-tree": (RandomTreeDrafter(TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES), 128), None),
   }
 
 
-@pytest.mark.parametrize("name", ["pld", "draft-model", "self-draft", "random-tree"])
+@pytest.mark.parametrize("name", ["pld", "pld-widths", "draft-model", "self-draft", "random-tree"])
 @pytest.mark.parametrize("stop", [(), (5,)])
 def test_greedy_equals_vanilla_tiny(tiny, name, stop):
   target = tiny()
@@ -91,7 +94,7 @@ def test_acceptance_rates_counting():
   assert rates == [2 / 3, 2 / 2, 1 / 2]
 
 
-@pytest.mark.parametrize("name", ["draft-model", "self-draft", "target", "pld"])
+@pytest.mark.parametrize("name", ["draft-model", "self-draft", "target", "pld", "pld-widths"])
 def test_sampling_end_to_end_matches_vanilla(name):
   """Sampled continuations (tokens 2-3) of a tiny model: spec vs vanilla, two-sample chi-square."""
   vocab = 12
@@ -101,6 +104,7 @@ def test_sampling_end_to_end_matches_vanilla(name):
       "self-draft": DraftModelDrafter.create(self_draft_model(target, 1), 2),
       "target": DraftModelDrafter.create(target, 2),
       "pld": (PromptLookupDrafter(gamma=3, max_ngram=1), None),
+      "pld-widths": (PromptLookupDrafter(gamma=3, max_ngram=1, widths=(1, 3), costs=(1.0, 1.2)), None),
   }
   drafter, dparams = drafters[name]
   params = SamplingParams(temperature=1.0, top_k=8)
@@ -111,7 +115,7 @@ def test_sampling_end_to_end_matches_vanilla(name):
                               seed=2, stop_ids=())
   pair = lambda g: np.array([t[1] * vocab + t[2] for t in g.tokens])
   assert_same_distribution(pair(ref), pair(spec), vocab * vocab)
-  assert spec.tau > 1.0 or name == "pld"
+  assert spec.tau > 1.0 or name.startswith("pld")
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +132,8 @@ def vanilla20(smollm, mtbench_prompts):
 def test_real_model_greedy_lossless_20_prompts(smollm, vanilla20, name):
   """20 MT-bench prompts, batch 1 and ragged batches of 4: identical to vanilla greedy."""
   target = smollm.model
-  if name == "pld":
-    drafter, dparams = PromptLookupDrafter(gamma=8, max_ngram=3), None
+  if name == "pld":  # cost-aware widths, as the CLI drafts (costs as measured on a 2-core CPU)
+    drafter, dparams = PromptLookupDrafter(gamma=8, max_ngram=3, widths=(3, 8), costs=(1.7, 2.3)), None
   elif name == "self-draft":
     drafter, dparams = DraftModelDrafter.create(self_draft_model(target, 6), gamma=3)
   else:  # an untrained random draft model sharing the tokenizer: the worst honest draft
@@ -150,7 +154,7 @@ def test_real_model_greedy_lossless_20_prompts(smollm, vanilla20, name):
 
 def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
   """Every tuning after a training and the runner ask for the curve; each size is timed once."""
-  from eagle_jax import bench_spec
+  from eagle_jax import costs
 
   timed = []
 
@@ -158,11 +162,11 @@ def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
     timed.append(args[1].shape[1])
     return float(args[1].shape[1])
 
-  monkeypatch.setattr(bench_spec, "median_ms", fake_median_ms)
-  monkeypatch.setattr(bench_spec, "_VERIFY_MS", {})
+  monkeypatch.setattr(costs, "median_ms", fake_median_ms)
+  monkeypatch.setattr(costs, "_VERIFY_MS", {})
   model = tiny()
-  assert bench_spec.verify_cost_curve(model, sizes=(1, 2), repeats=1) == {1: 1.0, 2: 2.0}
-  assert bench_spec.verify_cost_curve(tiny(seed=1), sizes=(2, 4), repeats=1) == {2: 2.0, 4: 4.0}
+  assert costs.verify_cost_curve(model, sizes=(1, 2), repeats=1) == {1: 1.0, 2: 2.0}
+  assert costs.verify_cost_curve(tiny(seed=1), sizes=(2, 4), repeats=1) == {2: 2.0, 4: 4.0}
   assert timed == [1, 2, 4]  # same architecture, other weights: size 2 is not timed again
-  bench_spec.verify_cost_curve(tiny(num_layers=3), sizes=(2,), repeats=1)
+  costs.verify_cost_curve(tiny(num_layers=3), sizes=(2,), repeats=1)
   assert timed == [1, 2, 4, 2]  # another architecture is

@@ -20,6 +20,8 @@ class DrafterOptions:
   gamma: int = 0  # 0 = the drafter's default; eagle1 with gamma > 0 drafts a chain
   pld_min_ngram: int = 2
   pld_max_ngram: int = 3
+  pld_adaptive: bool = True  # cost-aware draft widths (see drafters/pld.py); False = always gamma
+  pld_widths: tuple[int, ...] = ()  # () = (3, gamma): a short and a full chain
   draft_model: str | None = None  # --drafter-ckpt: draft model (name/folder/.gguf) or trained head
   self_draft_layers: int = 0  # 0 = a third of the target's layers
   top_k: int = 0  # dynamic trees (eagle2/eagle3); 0 = the checkpoint's tuned value or default
@@ -38,8 +40,7 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
   if name == "vanilla":
     return None, None
   if name == "pld":
-    return PromptLookupDrafter(gamma=options.gamma or 8, min_ngram=options.pld_min_ngram,
-                               max_ngram=options.pld_max_ngram), None
+    return prompt_lookup(target, options), None
   if name == "self-draft":
     layers = options.self_draft_layers or max(1, target.config.num_layers // 3)
     return DraftModelDrafter.create(self_draft_model(target, layers), gamma=options.gamma or 3)
@@ -55,6 +56,21 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
     return DraftModelDrafter.create(draft, gamma=options.gamma or 4,
                                     target_vocab=target.config.vocab_size)
   raise EagleJaxError(f"unknown drafter {name!r}; choose from: {', '.join(DRAFTERS)}")
+
+
+def prompt_lookup(target: Transformer, options: DrafterOptions) -> PromptLookupDrafter:
+  """Prompt lookup; cost-aware widths use verify costs measured on this machine."""
+  gamma = options.gamma or 8
+  widths = (options.pld_widths or tuple(sorted({min(3, gamma), gamma}))) if options.pld_adaptive else ()
+  costs = ()
+  if widths and widths[-1] == gamma:  # else the drafter's own check names the problem
+    from eagle_jax.costs import verify_cost_curve
+
+    curve = verify_cost_curve(target, sizes=(1,) + tuple(w + 1 for w in widths))
+    costs = tuple(round(curve[w + 1] / curve[1], 3) for w in widths)
+  return PromptLookupDrafter(gamma=gamma, min_ngram=options.pld_min_ngram,
+                             max_ngram=options.pld_max_ngram, widths=tuple(widths),
+                             costs=costs or (1.0,) * len(widths))
 
 
 def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:

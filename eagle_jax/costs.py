@@ -1,0 +1,55 @@
+"""Timing on this machine: the verify-cost curve and a median wall-clock helper.
+
+Every hardware-aware choice in eagle_jax (EAGLE-2 tree budgets, prompt lookup's draft widths,
+the benchmarks' predicted speedups) divides acceptance by these measured costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.model import KVCache
+
+_VERIFY_MS: dict = {}  # per process: (architecture, dtype, backend, prefix, repeats, n) -> ms
+
+
+def median_ms(fn, *args, repeats: int = 10) -> float:
+  """Median wall ms of ``fn(*args)`` (outputs awaited), after one untimed (compiling) call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return 1000 * statistics.median(times)
+
+
+def verify_cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 192, repeats: int = 10):
+  """Median ms of one target forward over ``n`` tree nodes after a ``prefix``-token cache.
+
+  Each size is timed once per process and architecture (the cost depends on shapes, not
+  weights), so the tuning after every training and the experiment runner share one curve.
+  """
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def forward(state, tokens, cache):
+    m = nnx.merge(graphdef, state)
+    t = tokens.shape[1]
+    out = m(tokens, cache.lengths_B[:, None] + jnp.arange(t)[None], cache,
+            num_valid_B=jnp.zeros((1,), jnp.int32))
+    return jnp.argmax(out.logits_BxTxV, -1), out.cache
+
+  base = (model.config, str(model.embed.dtype), jax.default_backend(), prefix, repeats)
+  for n in sizes:
+    if base + (n,) not in _VERIFY_MS:
+      cache = KVCache.init(model.config, 1, prefix + 64 + n, model.embed.dtype)
+      cache = cache.replace(lengths_B=jnp.array([prefix], jnp.int32))
+      tokens = jnp.ones((1, n), jnp.int32)
+      _VERIFY_MS[base + (n,)] = round(median_ms(forward, state, tokens, cache, repeats=repeats), 2)
+  return {n: _VERIFY_MS[base + (n,)] for n in sizes}
