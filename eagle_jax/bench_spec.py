@@ -20,7 +20,7 @@ from eagle_jax.drafters.factory import EAGLE_VERSION, DrafterOptions, find_check
 from eagle_jax.generate import generate
 from eagle_jax.registry import load_model
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import acceptance_rates, speculative_generate
+from eagle_jax.speculative import acceptance_rates, speculative_generate, verify_widths
 
 
 def _interp(curve: dict[int, float], n: float) -> float:
@@ -64,29 +64,52 @@ def _hf_prompt_lookup(folder, prompts, max_new_tokens):
   return out
 
 
-def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts: int = 16,
+def _timed_runs(runs: dict, prompts, max_new_tokens: int, repeats: int) -> dict:
+  """Per method, one generation per prompt: the fastest of ``repeats`` timed runs.
+
+  Methods are interleaved prompt by prompt (and repeats round by round), so a change in the
+  machine's speed during the benchmark hits every method alike, and the fastest run drops a
+  run slowed by other work; every prompt-length bucket is compiled before timing starts.
+  """
+  for run in runs.values():
+    seen = set()
+    for p in prompts:
+      if len(p) // 64 not in seen:
+        seen.add(len(p) // 64)
+        run(p, max_new_tokens)
+  best = {name: [None] * len(prompts) for name in runs}
+  for _ in range(max(repeats, 1)):
+    for i, p in enumerate(prompts):
+      for name, run in runs.items():
+        g = run(p, max_new_tokens)
+        if best[name][i] is None or g.seconds < best[name][i].seconds:
+          best[name][i] = g
+  return best
+
+
+def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"), num_prompts: int = 16,
                max_new_tokens: int = 128, temperature: float = 0.0,
-               options: DrafterOptions = DrafterOptions(), with_hf: bool = True) -> dict:
+               options: DrafterOptions = DrafterOptions(), with_hf: bool = True,
+               repeats: int = 2) -> dict:
   lm = load_model(model)
   target = lm.model
   questions = pick_questions(load_mtbench(), num_prompts)
   prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
   params = SamplingParams(temperature=temperature)
   curve = verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 26, 32, 64))
+  drafters, runs = {}, {}
+  for name in methods:
+    drafter, dparams = drafters[name] = make_drafter(name, target, options, model)
+    if drafter is None:
+      runs[name] = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
+    else:
+      runs[name] = lambda p, n, d=drafter, dp=dparams: speculative_generate(
+          target, d, dp, [p], max_new_tokens=n, params=params, stop_ids=())
+  timed = _timed_runs(runs, prompts, max_new_tokens, repeats)
   results, vanilla_tokens = {}, None
   for name in methods:
-    drafter, dparams = make_drafter(name, target, options, model)
-    if drafter is None:
-      run = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
-    else:
-      run = lambda p, n, d=drafter, dp=dparams: speculative_generate(
-          target, d, dp, [p], max_new_tokens=n, params=params, stop_ids=())
-    seen = set()
-    for p in prompts:  # compile every prompt-length bucket before timing
-      if len(p) // 64 not in seen:
-        seen.add(len(p) // 64)
-        run(p, max_new_tokens)
-    gens = [run(p, max_new_tokens) for p in prompts]
+    drafter, dparams = drafters[name]
+    gens = timed[name]
     secs = sum(g.seconds for g in gens)
     tokens = [g.tokens[0] for g in gens]
     row = {"tokens_per_s": round(sum(g.num_new[0] for g in gens) / secs, 2), "seconds": round(secs, 3)}
@@ -104,7 +127,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
       gamma = drafter.max_depth
       predicted, alpha = _predicted_speedup(accepted, drafted, gamma, curve, 0.0)
       draft_ms = 0.0
-      if name != "pld":  # measured draft cost, measured tau, verify cost of the tree
+      if not name.startswith("pld"):  # measured draft cost, measured tau, verify cost of the tree
         from eagle_jax.budget import draft_cost_ms
 
         draft_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
@@ -113,7 +136,15 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
       if name in EAGLE_VERSION or name in ("medusa", "draft-model"):
         row["checkpoint"] = options.draft_model or find_checkpoint(name, options.runs_dir, model)
       tree = getattr(drafter, "tree", "chain")
-      row["tree"] = (f"chain of {drafter.num_nodes}" if tree == "chain" else
+      widths = verify_widths(drafter)
+      if tree == "chain":  # at batch 1 a chain's drafted depth is its verified width
+        used = collections.Counter(next((w for w in (0,) + widths if w >= d), 0)
+                                   for row_d in drafted for d in row_d)
+        row["steps_by_width"] = {str(w): used[w] for w in (0,) + widths}
+      if getattr(drafter, "costs", ()):
+        row["width_costs"] = dict(zip(map(str, widths), drafter.costs))
+      row["tree"] = (f"chain of {drafter.num_nodes}" if tree == "chain" and len(widths) == 1 else
+                     f"chain of {', '.join(map(str, widths))} (cost-aware)" if tree == "chain" else
                      f"static {drafter.num_nodes} nodes, depth {drafter.max_depth}" if tree is not None
                      else f"dynamic top_k={drafter.top_k} depth={drafter.depth} "
                           f"total_tokens={drafter.total_tokens}")
@@ -136,7 +167,8 @@ def bench_spec(model: str, methods=("vanilla", "pld", "self-draft"), num_prompts
   if with_hf:
     out["transformers_tok_s"] = _hf_prompt_lookup(lm.folder, prompts, max_new_tokens)
   out["settings"] = {
-      "model": model, "prompts": f"MT-bench first turns, {len(prompts)} questions, "
+      "model": model, "timing": f"fastest of {max(repeats, 1)} runs per prompt and method, methods "
+      "interleaved prompt by prompt", "prompts": f"MT-bench first turns, {len(prompts)} questions, "
       f"{-(-len(prompts) // 8)} per category", "max_new_tokens": max_new_tokens,
       "temperature": temperature, "batch": 1, "eos": "ignored (fixed length)",
       "options": {k: v for k, v in vars(options).items()},

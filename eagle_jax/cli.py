@@ -63,7 +63,7 @@ def _cmd_bench_spec(args) -> None:
   methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
   result = bench_spec(model=args.model, methods=methods, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      options=options, with_hf=not args.no_hf)
+                      options=options, with_hf=not args.no_hf, repeats=args.repeats)
   print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -132,9 +132,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--pld-min-ngram", type=int, default=2)
   p.add_argument("--pld-max-ngram", type=int, default=3)
   p.add_argument("--pld-widths", type=_int_list, default=(),
-                 help="pld: draft widths to choose from, e.g. 3,8 (default: 3 and gamma)")
-  p.add_argument("--no-pld-adaptive", dest="pld_adaptive", action="store_false",
-                 help="pld: draft every match at full gamma instead of the cost-aware width")
+                 help="pld: draft widths it chooses from by cost, e.g. 3,8 (default: 3 and gamma); "
+                 "pld-static drafts every match at gamma")
   p.add_argument("--drafter-ckpt", default=None,
                  help="draft-model: a trained run folder, registered name, HF folder or .gguf "
                  "sharing the tokenizer; medusa, eagle1/2/3: a trained run folder or its final/ "
@@ -162,8 +161,8 @@ def _drafter_options(args):
   from eagle_jax.drafters.factory import DrafterOptions
 
   return DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
-                        pld_max_ngram=args.pld_max_ngram, pld_adaptive=args.pld_adaptive,
-                        pld_widths=args.pld_widths, draft_model=args.drafter_ckpt,
+                        pld_max_ngram=args.pld_max_ngram, pld_widths=args.pld_widths,
+                        draft_model=args.drafter_ckpt,
                         self_draft_layers=args.self_draft_layers, top_k=args.top_k_tree,
                         depth=args.depth, total_tokens=args.total_tokens, tree=args.tree,
                         runs_dir=args.runs_dir)
@@ -203,11 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
 
   bs = bsub.add_parser("spec", help="drafters vs vanilla: tau, n-alpha, speedup, verify cost")
   bs.add_argument("--model", default=DEFAULT_MODEL)
-  bs.add_argument("--methods", default="vanilla,pld,self-draft",
+  bs.add_argument("--methods", default="vanilla,pld,pld-static,self-draft",
                   help=f"comma-separated, vanilla first; from: {', '.join(DRAFTERS)}")
   bs.add_argument("--num-prompts", type=int, default=16)
   bs.add_argument("--max-new-tokens", type=int, default=128)
   bs.add_argument("--temperature", type=float, default=0.0)
+  bs.add_argument("--repeats", type=int, default=2, help="timed runs per prompt and method (fastest kept)")
   _add_drafter_args(bs)
   bs.add_argument("--no-hf", action="store_true", help="skip transformers' greedy / prompt lookup")
   bs.add_argument("--json", action="store_true", help="compact single-line JSON")

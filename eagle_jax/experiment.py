@@ -52,7 +52,6 @@ class MethodConfig:
   self_draft_layers: int = 0
   pld_min_ngram: int = 2
   pld_max_ngram: int = 3
-  pld_adaptive: bool = True
   pld_widths: tuple[int, ...] = ()
 
   @property
@@ -139,8 +138,7 @@ def drafter_for(method: MethodConfig, target, cfg: ExperimentConfig, checkpoint:
   from eagle_jax.drafters.factory import make_drafter
 
   opts = DrafterOptions(gamma=method.gamma, pld_min_ngram=method.pld_min_ngram,
-                        pld_max_ngram=method.pld_max_ngram, pld_adaptive=method.pld_adaptive,
-                        pld_widths=method.pld_widths, draft_model=checkpoint or None,
+                        pld_max_ngram=method.pld_max_ngram, pld_widths=method.pld_widths, draft_model=checkpoint or None,
                         self_draft_layers=method.self_draft_layers, top_k=method.top_k,
                         depth=method.depth, total_tokens=method.total_tokens, tree=method.tree,
                         runs_dir=cfg.runs_dir)

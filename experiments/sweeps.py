@@ -42,7 +42,7 @@ from eagle_jax.experiment import (TRAINED, EvalConfig, ExperimentConfig, MethodC
 from eagle_jax.registry import DEFAULT_MODEL, load_model
 from eagle_jax.tables import TAU, tau_of, tokens_per_s
 
-CHAIN = ("pld", "eagle1", "self-draft", "draft-model")  # budget = gamma, the chain length
+CHAIN = ("pld", "pld-static", "eagle1", "self-draft", "draft-model")  # budget = gamma, the chain length
 TREE = ("eagle2", "eagle3", "medusa")  # budget = total_tokens, the tree's node count
 GAMMAS = (1, 2, 3, 4, 6, 8)
 TREE_SIZES = (4, 8, 16, 32, 64)

@@ -65,7 +65,7 @@ results_dir: {results}
 runs_dir: {runs}
 methods:
   - {{name: vanilla}}
-  - {{name: pld}}
+  - {{name: pld, drafter: pld-static}}
   - {{name: skip2, drafter: self-draft, self_draft_layers: 2, gamma: 2}}
 eval: {{prompts: {prompts}, num_questions: 2, turns: [1, 2], temperatures: [0.0, 1.0],
         max_new_tokens: 8}}

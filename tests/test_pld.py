@@ -38,7 +38,8 @@ def _run(drafter, prompt, truth, steps):
 
 
 def _drafter(**kw):
-  return PromptLookupDrafter(gamma=6, min_ngram=1, max_ngram=2, widths=(2, 6), costs=(1.6, 2.2), **kw)
+  return PromptLookupDrafter(gamma=6, min_ngram=1, max_ngram=2, widths=(2, 6), costs=(1.6, 2.2),
+                             **{"prior_alpha": 0.5, **kw})
 
 
 def test_stops_drafting_what_is_never_accepted():

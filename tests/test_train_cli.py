@@ -132,8 +132,10 @@ def test_bench_spec_rows_name_their_checkpoints(trained):
   runs, _ = trained
   out = bench_spec("smollm2-135m-instruct", methods=("vanilla", "pld", "medusa", "draft-model"),
                    num_prompts=2, max_new_tokens=8, options=DrafterOptions(runs_dir=str(runs)),
-                   with_hf=False)
+                   with_hf=False, repeats=1)
   rows = out["methods"]
+  assert rows["pld"]["tree"] == "chain of 3, 8 (cost-aware)"
+  assert set(rows["pld"]["steps_by_width"]) == {"0", "3", "8"} and set(rows["pld"]["width_costs"]) == {"3", "8"}
   assert rows["medusa"]["checkpoint"].endswith("tiny-medusa/final")
   assert rows["draft-model"]["checkpoint"].endswith("tiny-draft-model/final")
   assert rows["draft-model"]["tree"] == "chain of 4" and rows["medusa"]["tree"].startswith("static")

@@ -11,7 +11,7 @@ from eagle_jax.drafters.pld import PromptLookupDrafter
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model import Transformer
 
-DRAFTERS = ("vanilla", "pld", "draft-model", "self-draft", "medusa", "eagle1", "eagle2", "eagle3")
+DRAFTERS = ("vanilla", "pld", "pld-static", "draft-model", "self-draft", "medusa", "eagle1", "eagle2", "eagle3")
 EAGLE_VERSION = {"eagle1": 1, "eagle2": 1, "eagle3": 3}  # EAGLE-2 drafts with EAGLE-1 weights
 
 
@@ -20,8 +20,7 @@ class DrafterOptions:
   gamma: int = 0  # 0 = the drafter's default; eagle1 with gamma > 0 drafts a chain
   pld_min_ngram: int = 2
   pld_max_ngram: int = 3
-  pld_adaptive: bool = True  # cost-aware draft widths (see drafters/pld.py); False = always gamma
-  pld_widths: tuple[int, ...] = ()  # () = (3, gamma): a short and a full chain
+  pld_widths: tuple[int, ...] = ()  # pld's cost-aware widths; () = (3, gamma)
   draft_model: str | None = None  # --drafter-ckpt: draft model (name/folder/.gguf) or trained head
   self_draft_layers: int = 0  # 0 = a third of the target's layers
   top_k: int = 0  # dynamic trees (eagle2/eagle3); 0 = the checkpoint's tuned value or default
@@ -39,8 +38,8 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
   """
   if name == "vanilla":
     return None, None
-  if name == "pld":
-    return prompt_lookup(target, options), None
+  if name in ("pld", "pld-static"):
+    return prompt_lookup(target, options, cost_aware=name == "pld"), None
   if name == "self-draft":
     layers = options.self_draft_layers or max(1, target.config.num_layers // 3)
     return DraftModelDrafter.create(self_draft_model(target, layers), gamma=options.gamma or 3)
@@ -58,10 +57,12 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
   raise EagleJaxError(f"unknown drafter {name!r}; choose from: {', '.join(DRAFTERS)}")
 
 
-def prompt_lookup(target: Transformer, options: DrafterOptions) -> PromptLookupDrafter:
-  """Prompt lookup; cost-aware widths use verify costs measured on this machine."""
+def prompt_lookup(target: Transformer, options: DrafterOptions,
+                  cost_aware: bool = True) -> PromptLookupDrafter:
+  """Prompt lookup: ``pld`` picks its draft width from verify costs measured on this machine
+  and the acceptance it has seen; ``pld-static`` drafts every match at full ``gamma``."""
   gamma = options.gamma or 8
-  widths = (options.pld_widths or tuple(sorted({min(3, gamma), gamma}))) if options.pld_adaptive else ()
+  widths = (options.pld_widths or tuple(sorted({min(3, gamma), gamma}))) if cost_aware else ()
   costs = ()
   if widths and widths[-1] == gamma:  # else the drafter's own check names the problem
     from eagle_jax.costs import verify_cost_curve

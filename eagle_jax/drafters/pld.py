@@ -58,7 +58,7 @@ class PromptLookupDrafter(ChainDrafter):
   widths: tuple[int, ...] = ()  # cost-aware draft widths (ascending, ending at gamma); () = off
   costs: tuple[float, ...] = ()  # verify cost of each width + the root, over a one-token pass
   prior_count: float = 2.0  # pseudo-observations per bucket before any is resolved
-  prior_alpha: float = 0.5  # prior P(matched >= j tokens) = prior_alpha ** j
+  prior_alpha: float = 0.7  # prior P(matched >= j tokens) = prior_alpha ** j
 
   def __post_init__(self):
     if self.gamma < 1 or not 1 <= self.min_ngram <= self.max_ngram:
