@@ -66,6 +66,10 @@ class Drafter(Protocol):
   # Which target features the drafter receives (``features_BxKxF``): () = the top hidden state
   # (as fed to the LM head); otherwise Hugging Face ``hidden_states`` indices, concatenated.
   feature_layers: tuple[int, ...]
+  # Optional: verify widths the loop may use (ascending, ending at num_nodes; default
+  # (num_nodes,)). Each step verifies the smallest width holding every active row's valid
+  # nodes, or takes a plain decode step when there are none (eagle_jax.speculative).
+  widths: tuple[int, ...]
 
   def init(self, dparams: Any, prompt_BxP: jax.Array, lengths_B: jax.Array,
            features_BxPxD: jax.Array, first_B: jax.Array, cache_len: int) -> Any:
