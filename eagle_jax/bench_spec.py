@@ -16,7 +16,8 @@ import numpy as np
 
 from eagle_jax.costs import verify_cost_curve
 from eagle_jax.data import load_mtbench, pick_questions
-from eagle_jax.drafters.factory import EAGLE_VERSION, DrafterOptions, find_checkpoint, make_drafter
+from eagle_jax.drafters.factory import (EAGLE_VERSION, DrafterOptions, find_checkpoint, make_drafter,
+                                        method_spec)
 from eagle_jax.generate import generate
 from eagle_jax.registry import load_model
 from eagle_jax.sampling import SamplingParams
@@ -97,9 +98,10 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
   prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
   params = SamplingParams(temperature=temperature)
   curve = verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 26, 32, 64))
-  drafters, runs = {}, {}
+  drafters, runs, specs = {}, {}, {name: method_spec(name, options) for name in methods}
   for name in methods:
-    drafter, dparams = drafters[name] = make_drafter(name, target, options, model)
+    kind, opts = specs[name]
+    drafter, dparams = drafters[name] = make_drafter(kind, target, opts, model)
     if drafter is None:
       runs[name] = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
     else:
@@ -109,6 +111,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
   results, vanilla_tokens = {}, None
   for name in methods:
     drafter, dparams = drafters[name]
+    kind, opts = specs[name]
     gens = timed[name]
     secs = sum(g.seconds for g in gens)
     tokens = [g.tokens[0] for g in gens]
@@ -127,14 +130,14 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
       gamma = drafter.max_depth
       predicted, alpha = _predicted_speedup(accepted, drafted, gamma, curve, 0.0)
       draft_ms = 0.0
-      if not name.startswith("pld"):  # measured draft cost, measured tau, verify cost of the tree
+      if not kind.startswith("pld"):  # measured draft cost, measured tau, verify cost of the tree
         from eagle_jax.budget import draft_cost_ms
 
         draft_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
         tau = float(np.mean([a for r in accepted for a in r]) + 1)
         predicted = tau * curve[1] / (_interp(curve, drafter.num_nodes + 1) + draft_ms)
-      if name in EAGLE_VERSION or name in ("medusa", "draft-model"):
-        row["checkpoint"] = options.draft_model or find_checkpoint(name, options.runs_dir, model)
+      if kind in EAGLE_VERSION or kind in ("medusa", "draft-model"):
+        row["checkpoint"] = opts.draft_model or find_checkpoint(kind, opts.runs_dir, model)
       tree = getattr(drafter, "tree", "chain")
       widths = verify_widths(drafter)
       if tree == "chain":  # at batch 1 a chain's drafted depth is its verified width
@@ -148,6 +151,8 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
                      f"static {drafter.num_nodes} nodes, depth {drafter.max_depth}" if tree is not None
                      else f"dynamic top_k={drafter.top_k} depth={drafter.depth} "
                           f"total_tokens={drafter.total_tokens}")
+      if getattr(drafter, "draft_vocab", 0):
+        row["tree"] += f", {drafter.draft_vocab}-token draft vocab"
       row.update({
           "speedup": round(vanilla_total / secs, 3) if vanilla_tokens else None,
           "tau": round(float(np.mean([a for r in accepted for a in r]) + 1), 3),

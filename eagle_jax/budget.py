@@ -17,6 +17,10 @@ compiling every setting, so we predict instead, from three measurements on this 
 
 Predicted tokens/s(n, depth) = tau(n) / (c(n + 1) + d(depth)); the best pair wins. Prompts are
 held-out ShareGPT first turns by default (not the evaluation set).
+
+An EAGLE-1/2 head may also draft over a reduced vocabulary, the most frequent training-reply
+tokens through their rows of the target's LM head (as FR-Spec does): on a small target the
+full LM head is most of the draft cost. Each size is one more axis of the same search.
 """
 
 from __future__ import annotations
@@ -66,34 +70,47 @@ def draft_cost_ms(drafter: EagleDrafter, dparams, target, prompt, repeats: int =
 
 def tune_budget(head, target, prompts, *, curve: dict[int, float], top_k: int = 8,
                 depths=(4, 5, 6, 7), max_nodes: int = 64, max_new_tokens: int = 64,
-                top_ks=None) -> dict:
-  """Best ``(top_k, depth, total_tokens)`` by predicted tokens/s, with the tables behind it."""
+                top_ks=None, draft_vocabs: dict | None = None) -> dict:
+  """Best ``(top_k, depth, total_tokens)`` by predicted tokens/s, with the tables behind it.
+
+  ``draft_vocabs`` maps sizes to draft vocabularies (target ids) to try as well (EAGLE-1/2
+  heads; size 0 = the whole vocabulary, always tried).
+  """
   best, table = None, {}
-  for k in (top_ks or (top_k,)):
-    for depth in depths:
-      pool = k + (depth - 1) * k ** 2
-      n_max = min(max_nodes, pool, max(curve) - 1)
-      drafter, dparams = EagleDrafter.create(head, target, None, top_k=k, depth=depth,
-                                             total_tokens=n_max)
-      gen = speculative_generate(target, drafter, dparams, prompts, max_new_tokens=max_new_tokens,
-                                 stop_ids=())
-      tau = tau_by_budget(gen.accepted_slots, n_max)
-      d_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
-      xs = sorted(curve)
-      rows = []
-      for n in range(1, n_max + 1):
-        cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + d_ms
-        rows.append({"total_tokens": n, "tau": round(float(tau[n]), 3),
-                     "ms_per_step": round(cost, 2), "tokens_per_s": round(1000 * tau[n] / cost, 2)})
-      table[f"top_k={k},depth={depth}"] = {"draft_ms": round(d_ms, 2), "rows": rows}
-      top = max(rows, key=lambda r: r["tokens_per_s"])
-      if best is None or top["tokens_per_s"] > best["tokens_per_s"]:
-        best = dict(top, depth=depth, top_k=k)
+  for size, ids in {0: None, **(draft_vocabs or {})}.items():
+    for k in (top_ks or (top_k,)):
+      for depth in depths:
+        key = f"top_k={k},depth={depth}" + (f",draft_vocab={size}" if size else "")
+        table[key] = _tune_setting(head, target, prompts, curve, k, depth, max_nodes,
+                                   max_new_tokens, ids)
+        top = max(table[key]["rows"], key=lambda r: r["tokens_per_s"])
+        if best is None or top["tokens_per_s"] > best["tokens_per_s"]:
+          best = dict(top, depth=depth, top_k=k, draft_vocab=size)
   vanilla = 1000 / curve[1]
   return {"top_k": best["top_k"], "depth": best["depth"], "total_tokens": best["total_tokens"],
+          "draft_vocab": best["draft_vocab"],
           "predicted_tau": best["tau"], "predicted_tokens_per_s": best["tokens_per_s"],
           "vanilla_tokens_per_s": round(vanilla, 2),
           "predicted_speedup": round(best["tokens_per_s"] / vanilla, 3),
           "verify_cost_ms": curve, "by_setting": table,
-          "method": "greedy run at the largest budget per (top_k, depth); tau(n) from best-first "
-                    "slots; cost = verify c(n+1) + timed draft propose/update"}
+          "method": "greedy run at the largest budget per (top_k, depth, draft vocabulary); tau(n) "
+                    "from best-first slots; cost = verify c(n+1) + timed draft propose/update"}
+
+
+def _tune_setting(head, target, prompts, curve, k, depth, max_nodes, max_new_tokens, ids) -> dict:
+  """Predicted tokens/s at every budget n for one (top_k, depth, draft vocabulary)."""
+  pool = k + (depth - 1) * k ** 2
+  n_max = min(max_nodes, pool, max(curve) - 1)
+  drafter, dparams = EagleDrafter.create(head, target, None, draft_ids=ids, top_k=k, depth=depth,
+                                         total_tokens=n_max)
+  gen = speculative_generate(target, drafter, dparams, prompts, max_new_tokens=max_new_tokens,
+                             stop_ids=())
+  tau = tau_by_budget(gen.accepted_slots, n_max)
+  d_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
+  xs = sorted(curve)
+  rows = []
+  for n in range(1, n_max + 1):
+    cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + d_ms
+    rows.append({"total_tokens": n, "tau": round(float(tau[n]), 3),
+                 "ms_per_step": round(cost, 2), "tokens_per_s": round(1000 * tau[n] / cost, 2)})
+  return {"draft_ms": round(d_ms, 2), "rows": rows}

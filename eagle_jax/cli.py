@@ -113,7 +113,8 @@ def _cmd_tune(args) -> None:
   ints = lambda text: tuple(int(x) for x in text.split(",") if x.strip())
   cfg = TrainConfig(name="tune", drafter="eagle1", tune=TuneConfig(
       prompts=args.prompts, top_ks=ints(args.top_ks), depths=ints(args.depths),
-      max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens))
+      max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
+      draft_vocabs=ints(args.draft_vocabs)))
   if read_meta(args.checkpoint).get("drafter") == "medusa":
     result = tune_medusa(args.checkpoint, lm, cfg)
   else:
@@ -146,6 +147,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--tree", default="", choices=("", "default"),
                  help="default = the paper's static tree (eagle1/2/3: 25 nodes, medusa: 63 nodes) "
                  "instead of the tuned budget")
+  p.add_argument("--draft-vocab", type=int, default=-1,
+                 help="eagle1/2: draft only the K most frequent training-reply tokens, through "
+                 "their rows of the target's LM head (0 = whole vocabulary; default: eagle2's "
+                 "tuned value, else whole)")
   p.add_argument("--self-draft-layers", type=int, default=0,
                  help="self-draft: target layers used as the draft (0 = a third)")
 
@@ -165,7 +170,7 @@ def _drafter_options(args):
                         draft_model=args.drafter_ckpt,
                         self_draft_layers=args.self_draft_layers, top_k=args.top_k_tree,
                         depth=args.depth, total_tokens=args.total_tokens, tree=args.tree,
-                        runs_dir=args.runs_dir)
+                        draft_vocab=args.draft_vocab, runs_dir=args.runs_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
   bs = bsub.add_parser("spec", help="drafters vs vanilla: tau, n-alpha, speedup, verify cost")
   bs.add_argument("--model", default=DEFAULT_MODEL)
   bs.add_argument("--methods", default="vanilla,pld,pld-static,self-draft",
-                  help=f"comma-separated, vanilla first; from: {', '.join(DRAFTERS)}")
+                  help=f"comma-separated, vanilla first; from: {', '.join(DRAFTERS)}; a method "
+                  "may set drafter options for its row: eagle2:draft_vocab=8192:top_k=4")
   bs.add_argument("--num-prompts", type=int, default=16)
   bs.add_argument("--max-new-tokens", type=int, default=128)
   bs.add_argument("--temperature", type=float, default=0.0)
@@ -245,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
   tu.add_argument("--depths", default="4,6", help="comma-separated depths to try")
   tu.add_argument("--max-nodes", type=int, default=64, help="largest total_tokens considered "
                   "(the only setting Medusa's tree search uses)")
+  tu.add_argument("--draft-vocabs", default="8192", help="EAGLE-1/2: comma-separated reduced "
+                  "draft vocabulary sizes to try besides the whole vocabulary ('' = none)")
   tu.add_argument("--max-new-tokens", type=int, default=48)
   tu.set_defaults(func=_cmd_tune)
 

@@ -79,18 +79,38 @@ def default_fuse_layers(num_layers: int) -> tuple[int, int, int]:
 
 @flax.struct.dataclass
 class Frozen:
-  """The target's token embedding ``[V, D]`` and LM head ``[V, D]`` (frozen, shared)."""
+  """The target's token embedding ``[V, D]`` and LM head ``[V, D]`` (frozen, shared).
+
+  For drafting over a reduced vocabulary with the target's own head (EAGLE-1/2, as FR-Spec
+  does), ``draft_head_KxD`` holds the LM-head rows of the ``K`` target ids in ``d2t_K``, copied
+  once when the drafter is built (a gather inside the jitted step would copy them every step).
+  """
 
   embed_VxD: jax.Array
   lm_head_VxD: jax.Array
+  draft_head_KxD: jax.Array | None = None
+  d2t_K: jax.Array | None = None
 
   @classmethod
-  def of(cls, target: Transformer) -> "Frozen":
+  def of(cls, target: Transformer, draft_ids=None) -> "Frozen":
+    """``draft_ids``: target ids the drafter may propose (None = the whole vocabulary)."""
     head = target.embed[...] if target.lm_head is None else target.lm_head.weight[...]
-    return cls(embed_VxD=target.embed[...], lm_head_VxD=head)
+    if draft_ids is None:
+      return cls(embed_VxD=target.embed[...], lm_head_VxD=head)
+    ids = jnp.asarray(draft_ids, jnp.int32)
+    if ids.ndim != 1 or ids.size == 0 or int(ids.min()) < 0 or int(ids.max()) >= head.shape[0]:
+      raise EagleJaxError(f"draft vocabulary must be 1 to {head.shape[0]} target ids in "
+                          f"[0, {head.shape[0]})")
+    return cls(embed_VxD=target.embed[...], lm_head_VxD=head, draft_head_KxD=head[ids], d2t_K=ids)
 
   def target_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
     return jnp.einsum("...d,vd->...v", hidden_BxTxD, self.lm_head_VxD).astype(jnp.float32)
+
+  def draft_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
+    """Logits over the draft vocabulary (the whole target vocabulary if none was chosen)."""
+    if self.draft_head_KxD is None:
+      return self.target_logits(hidden_BxTxD)
+    return jnp.einsum("...d,kd->...k", hidden_BxTxD, self.draft_head_KxD).astype(jnp.float32)
 
 
 class EagleHead(nnx.Module):
@@ -138,14 +158,17 @@ class EagleHead(nnx.Module):
     return self.layer(x_BxTxD, cos, sin, bias_BxTxS, kv, slots_BxT)
 
   def logits(self, out_BxTxD: jax.Array, frozen: Frozen) -> jax.Array:
-    """Draft logits over the draft vocabulary (fp32)."""
+    """Draft logits over the draft vocabulary (fp32): EAGLE-3's own, else the target head's
+    rows that ``frozen`` carries."""
     if self.lm_head is None:
-      return frozen.target_logits(out_BxTxD)
+      return frozen.draft_logits(out_BxTxD)
     return self.lm_head(self.norm(out_BxTxD)).astype(jnp.float32)
 
-  def to_target(self, draft_ids):
+  def to_target(self, draft_ids, frozen: Frozen):
     """Draft-vocabulary ids -> target token ids."""
-    return draft_ids if self.lm_head is None else self.d2t[...][draft_ids]
+    if self.lm_head is not None:
+      return self.d2t[...][draft_ids]
+    return draft_ids if frozen.d2t_K is None else frozen.d2t_K[draft_ids]
 
   def init_kv(self, batch: int, slots: int, dtype=jnp.float32):
     t = self.config.target

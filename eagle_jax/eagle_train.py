@@ -30,20 +30,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen, bias_from_mask
+from eagle_jax.errors import EagleJaxError
 from eagle_jax.features import segment_mask
 
 
-def draft_vocab_map(shards, size: int, vocab: int, always=()) -> np.ndarray:
-  """The ``size`` most frequent target tokens in the training rows' assistant replies
-  (ties by id; ``always`` ids forced in), sorted by id: the draft-to-target map."""
+def reply_token_counts(shards, vocab: int) -> np.ndarray:
+  """How often each target id occurs in the training rows' assistant replies, counting both
+  the reply tokens and the target's greedy predictions there."""
   counts = np.zeros(vocab, np.int64)
   for i in range(0, shards.num_rows, 64):
     r = shards.rows(range(i, min(i + 64, shards.num_rows)), ("tokens", "loss_mask", "target_argmax"))
     np.add.at(counts, r["tokens"][r["loss_mask"]], 1)
     np.add.at(counts, r["target_argmax"][r["loss_mask"]], 1)
+  return counts
+
+
+def top_tokens(counts: np.ndarray, size: int, always=()) -> np.ndarray:
+  """The ``size`` most frequent ids of ``counts`` (ties by id; ``always`` ids forced in),
+  sorted by id: a draft-to-target map."""
+  if not 1 <= size <= counts.shape[0]:
+    raise EagleJaxError(f"draft vocabulary size {size} outside [1, {counts.shape[0]}]")
+  counts = counts.copy()
   counts[list(always)] = counts.max() + 1
   top = np.argsort(-counts, kind="stable")[:size]
   return np.sort(top).astype(np.int32)
+
+
+def draft_vocab_map(shards, size: int, vocab: int, always=()) -> np.ndarray:
+  """EAGLE-3's draft-to-target map: the ``size`` most frequent reply tokens of the training rows."""
+  return top_tokens(reply_token_counts(shards, vocab), size, always)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +142,7 @@ def eagle_loss(head: EagleHead, frozen: Frozen, batch, key, *, steps, train, tas
     denom = jnp.maximum(w.sum(), 1.0)
     ce = -(p * jax.nn.log_softmax(logits, -1)).sum(-1)
     ce = (ce * w).sum() / denom
-    hit = head.to_target(jnp.argmax(logits, -1)) == am_u
+    hit = head.to_target(jnp.argmax(logits, -1), frozen) == am_u
     metrics[f"acc_{j}"] = (hit * w).sum() / denom
     metrics[f"ce_{j}"] = ce
     if v3 and j < task.ttt_steps:

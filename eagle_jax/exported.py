@@ -5,6 +5,8 @@ Every exported drafter has ``drafter.json``: ``{"drafter": KIND, "model": TARGET
 
 - ``eagle1`` / ``eagle3`` / ``medusa``: ``"head"`` (the module's config) and
   ``params.safetensors`` (flat NNX state names); tuned budgets under ``"budget"``.
+- ``eagle1`` / ``eagle3`` also keep ``token_counts.npy``: how often each target id occurs in
+  the training replies, from which EAGLE-1/2 draft vocabularies are cut (``--draft-vocab``).
 - ``draft-model``: a complete Hugging Face folder (``config.json``, ``model.safetensors``,
   tokenizer files), loadable by any Llama-family loader, ours included.
 
@@ -61,6 +63,22 @@ def export_drafter(module, folder: str, meta: dict, tokenizer_folder: str | None
           for path, v in nnx.to_flat_state(nnx.state(module))}
   save_file(flat, os.path.join(folder, "params.safetensors"))
   write_meta(folder, {**meta, "head": module.config.to_dict()})
+
+
+def save_token_counts(folder: str, counts: np.ndarray) -> None:
+  np.save(os.path.join(folder, "token_counts.npy"), np.asarray(counts, np.int64))
+
+
+def load_token_counts(path: str, vocab: int) -> np.ndarray:
+  """The training-reply token counts exported with the head at ``path`` (``[vocab]``)."""
+  file = os.path.join(final_folder(path), "token_counts.npy")
+  if not os.path.isfile(file):
+    raise EagleJaxError(f"{file} missing: this head was exported without token counts, so no "
+                        "draft vocabulary can be cut from it (re-run its training, or --draft-vocab 0)")
+  counts = np.load(file)
+  if counts.shape != (vocab,):
+    raise EagleJaxError(f"{file}: {counts.shape[0]} counts, but the target has {vocab} tokens")
+  return counts
 
 
 def _head_module(kind: str, config: dict):

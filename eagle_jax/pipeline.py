@@ -22,7 +22,8 @@ import numpy as np
 from eagle_jax.distill import DraftModelConfig
 from eagle_jax.configs import dump_config, load_config, read_yaml, to_dict
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.exported import export_drafter, final_folder, load_drafter, load_head, write_meta
+from eagle_jax.exported import (export_drafter, final_folder, load_drafter, load_head,
+                                save_token_counts, write_meta)
 from eagle_jax.train import LoopConfig, OptimConfig
 
 DEFAULT_RUNS_DIR = "runs"
@@ -81,6 +82,8 @@ class TuneConfig:
   top_ks: tuple[int, ...] = (4, 8)
   depths: tuple[int, ...] = (4, 6)
   max_nodes: int = 64
+  # EAGLE-1/2 draft vocabularies tried besides the whole one (most frequent reply tokens)
+  draft_vocabs: tuple[int, ...] = (8192,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +243,10 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
                                         "heldout": {k: round(v, 4) for k, v in result.last_eval.items()
                                                     if "rank" not in k}},
                  tokenizer_folder=lm.folder)
+  if cfg.drafter in ("eagle1", "eagle3"):  # draft vocabularies are cut from these later
+    from eagle_jax.eagle_train import reply_token_counts
+
+    save_token_counts(final, reply_token_counts(data, lm.config.vocab_size))
   tuned = {}
   if cfg.tune.enabled and cfg.drafter in ("eagle1", "eagle3"):
     tuned = tune_run(final, lm, cfg)
@@ -328,13 +335,19 @@ def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
   final = final_folder(final)
   head, meta = load_head(final)
   prompts = heldout_prompts(lm.tokenizer, t.prompts, cfg)
+  vocabs = {}
+  if head.config.version == 1:
+    from eagle_jax.drafters.factory import draft_vocab_ids
+
+    vocabs = {n: draft_vocab_ids(final, lm.model, n) for n in t.draft_vocabs
+              if 0 < n < lm.config.vocab_size}
   result = tune_budget(head, lm.model, prompts, curve=_tuning_curve(lm.model, t.max_nodes),
                        top_ks=t.top_ks, depths=t.depths, max_nodes=t.max_nodes,
-                       max_new_tokens=t.max_new_tokens)
+                       max_new_tokens=t.max_new_tokens, draft_vocabs=vocabs)
   with open(os.path.join(final, "budget.json"), "w") as f:
     json.dump(result, f, indent=1)
-  meta["budget"] = {k: result[k] for k in ("top_k", "depth", "total_tokens", "predicted_tau",
-                                           "predicted_speedup")}
+  meta["budget"] = {k: result[k] for k in ("top_k", "depth", "total_tokens", "draft_vocab",
+                                           "predicted_tau", "predicted_speedup")}
   write_meta(final, meta)
   print(f"budget: {json.dumps(meta['budget'])}")
   return result

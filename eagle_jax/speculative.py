@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax.drafters.base import Accepted, Draft
+from eagle_jax.drafters.base import Accepted, Draft, is_width_ladder
 from eagle_jax.generate import _is_stop, prefill, prepare_prompts, run_compiled
 from eagle_jax.model import KVCache, Transformer
 from eagle_jax.sampling import SamplingParams, sample
@@ -91,7 +91,7 @@ class _SpecState:
 def verify_widths(drafter) -> tuple[int, ...]:
   """The drafter's ladder of verify widths (ascending, ending at ``num_nodes``)."""
   widths = tuple(getattr(drafter, "widths", ()) or (drafter.num_nodes,))
-  if list(widths) != sorted(set(widths)) or widths[0] < 1 or widths[-1] != drafter.num_nodes:
+  if not is_width_ladder(widths, drafter.num_nodes):
     raise ValueError(f"drafter widths {widths} must ascend from >= 1 to num_nodes={drafter.num_nodes}")
   return widths
 

@@ -69,7 +69,7 @@ def test_chain_drafting_equals_training_unroll(tiny, version):
                 jnp.arange(t)[None], jnp.ones((1, t), jnp.int32), steps=3)
   for j in range(3):
     logits = head.logits(outs[j][:, length - 1], dparams[1])
-    assert int(head.to_target(jnp.argmax(logits, -1))[0]) == int(d[j])
+    assert int(head.to_target(jnp.argmax(logits, -1), dparams[1])[0]) == int(d[j])
   np.testing.assert_allclose(state.frontier_BxD, outs[0][:, length - 1], atol=1e-5)
 
 
@@ -96,15 +96,54 @@ def test_dynamic_tree_budget_is_checked(tiny):
     EagleDrafter.create(make_head(tiny().config, 1), tiny(), None, top_k=2, depth=2, total_tokens=7)
 
 
-@pytest.mark.parametrize("version,tree", [(1, "static25"), (1, "dynamic"), (3, "dynamic")])
-def test_sampling_is_lossless(version, tree):
-  """Sampled continuations (tokens 2-3): EAGLE speculative vs vanilla, two-sample chi-square."""
+@pytest.mark.parametrize("version,tree,reduced", [(1, "static25", False), (1, "dynamic", True),
+                                                   (3, "dynamic", False)])
+def test_sampling_is_lossless(version, tree, reduced):
+  """Sampled continuations (tokens 2-3): EAGLE speculative vs vanilla, two-sample chi-square;
+  ``reduced``: the EAGLE-1 head drafts over 6 of the 12 target ids (a draft that can never
+  propose half the vocabulary must still leave the output distribution exact)."""
   vocab = 12
   target = Transformer(tiny_config(vocab_size=vocab), rngs=nnx.Rngs(0))
   head = make_head(target.config, version, seed=4, draft_vocab=8 if version == 3 else 0)
   spec, kw = TREES[tree]
-  drafter, dparams = EagleDrafter.create(head, target, spec, **kw)
+  drafter, dparams = EagleDrafter.create(head, target, spec, draft_ids=[0, 2, 3, 5, 8, 11] if reduced
+                                         else None, **kw)
   assert_sampling_matches_vanilla(target, drafter, dparams, vocab)
+
+
+@pytest.mark.parametrize("tree", ["static25", "dynamic"])
+def test_reduced_draft_vocab_drafts_only_its_ids_and_stays_lossless(tiny, tree):
+  """EAGLE-1/2 over a reduced vocabulary (the target's LM-head rows of chosen ids, as FR-Spec):
+  every drafted token is one of the ids, the logits are the full head's at those ids, and
+  greedy output still equals vanilla (ragged batch)."""
+  target = tiny()
+  head = make_head(target.config, 1, seed=2)
+  ids = np.sort(np.random.RandomState(0).permutation(target.config.vocab_size)[:40])
+  spec, kw = TREES[tree]
+  drafter, dparams = EagleDrafter.create(head, target, spec, draft_ids=ids, **kw)
+  full, full_params = EagleDrafter.create(head, target, spec, **kw)
+  assert drafter.draft_vocab == 40 and full.draft_vocab == 0
+  x = jax.random.normal(jax.random.key(1), (2, 3, target.config.hidden_size))
+  np.testing.assert_allclose(head.logits(x, dparams[1]), head.logits(x, full_params[1])[..., ids],
+                             rtol=1e-5, atol=1e-5)
+  prompt = jnp.array([PROMPTS[0]], jnp.int32)
+  out = target(prompt, jnp.arange(prompt.shape[1])[None], None)
+  state = drafter.init(dparams, prompt, jnp.array([prompt.shape[1]]), out.hidden_BxTxD,
+                       jnp.array([42]), cache_len=64)
+  draft, _ = drafter.propose(dparams, state, jnp.array([42]), jax.random.key(0), SamplingParams())
+  drafted = np.asarray(draft.tokens_BxN)[np.asarray(draft.valid_BxN)]
+  assert drafted.size and set(drafted.tolist()) <= set(ids.tolist())
+  ref = generate(target, PROMPTS, max_new_tokens=30, stop_ids=(5,))
+  got = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=30, stop_ids=(5,))
+  assert got.tokens == ref.tokens
+
+
+def test_reduced_draft_vocab_errors(tiny):
+  target = tiny()
+  with pytest.raises(EagleJaxError, match="EAGLE-3 head drafts over the vocabulary"):
+    EagleDrafter.create(make_head(target.config, 3, draft_vocab=96), target, None, draft_ids=[1, 2])
+  with pytest.raises(EagleJaxError, match="draft vocabulary must be"):
+    EagleDrafter.create(make_head(target.config, 1), target, None, draft_ids=[1, 500])
 
 
 def test_frozen_arrays_are_the_targets(tiny):
@@ -112,3 +151,38 @@ def test_frozen_arrays_are_the_targets(tiny):
   frozen = Frozen.of(target)
   assert frozen.embed_VxD is target.embed[...]
   assert frozen.lm_head_VxD is target.lm_head.weight[...]
+
+
+def test_top_tokens_and_exported_counts(tmp_path):
+  from eagle_jax.eagle_train import top_tokens
+  from eagle_jax.exported import load_token_counts, save_token_counts
+
+  counts = np.array([5, 0, 3, 9])
+  assert top_tokens(counts, 2).tolist() == [0, 3]
+  assert top_tokens(counts, 2, always=(1,)).tolist() == [1, 3]
+  with pytest.raises(EagleJaxError, match="draft vocabulary size 5 outside"):
+    top_tokens(counts, 5)
+  with pytest.raises(EagleJaxError, match="token_counts.npy missing"):
+    load_token_counts(str(tmp_path), 4)
+  (tmp_path / "drafter.json").write_text("{}")
+  save_token_counts(str(tmp_path), counts)
+  assert load_token_counts(str(tmp_path), 4).tolist() == counts.tolist()
+  with pytest.raises(EagleJaxError, match="4 counts, but the target has 8 tokens"):
+    load_token_counts(str(tmp_path), 8)
+
+
+def test_method_spec_sets_drafter_options_per_row():
+  from eagle_jax.drafters.factory import DrafterOptions, method_spec
+
+  base = DrafterOptions(runs_dir="r")
+  assert method_spec("eagle2", base) == ("eagle2", base)
+  name, opts = method_spec("eagle2:draft_vocab=8192:top_k=4", base)
+  assert name == "eagle2" and opts.draft_vocab == 8192 and opts.top_k == 4 and opts.runs_dir == "r"
+  assert method_spec("pld:pld_widths=3/8", base)[1].pld_widths == (3, 8)
+  assert method_spec("eagle1:draft_model=runs/x", base)[1].draft_model == "runs/x"
+  with pytest.raises(EagleJaxError, match="expected NAME:key=value"):
+    method_spec("eagle2:vocab=3", base)
+  with pytest.raises(EagleJaxError, match="top_k takes an integer"):
+    method_spec("eagle2:top_k=many", base)
+  with pytest.raises(EagleJaxError, match="unknown drafter 'eagle9'"):
+    method_spec("eagle9:top_k=2", base)

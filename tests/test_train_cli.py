@@ -13,7 +13,8 @@ runs_dir: {runs}
 data: {{train_rows: 8, heldout_rows: 4, row_len: 128, max_len: 128}}
 features: {{rows_per_shard: 4, batch_rows: 4}}
 loop: {{epochs: 1, batch_rows: 2, log_every: 1, eval_every: 0, eval_rows: 4, ckpt_every: 2}}
-tune: {{enabled: {tune}, prompts: 1, max_new_tokens: 8, top_ks: [2, 3], depths: [2, 3], max_nodes: 7}}
+tune: {{enabled: {tune}, prompts: 1, max_new_tokens: 8, top_ks: [2, 3], depths: [2, 3], max_nodes: 7,
+       draft_vocabs: [4096]}}
 eagle: {{ttt_steps: {ttt}, draft_vocab: {vocab}}}
 decode_eval: {{prompts: 1, max_new_tokens: 8, top_k: 3, depth: 2, total_tokens: 4}}
 """
@@ -48,6 +49,11 @@ def test_train_then_generate_with_every_eagle_drafter(trained, capsys):
   assert summary["budget"]["depth"] in (2, 3) and 1 <= summary["budget"]["total_tokens"] <= 7
   drafter = json.loads((runs / "tiny-eagle1" / "final" / "drafter.json").read_text())
   assert drafter["budget"]["total_tokens"] == summary["budget"]["total_tokens"]
+  assert drafter["budget"]["draft_vocab"] in (0, 4096)  # the tuner tried both vocabularies
+  budget = json.loads((runs / "tiny-eagle1" / "final" / "budget.json").read_text())
+  assert "top_k=2,depth=2,draft_vocab=4096" in budget["by_setting"]
+  for run in ("tiny-eagle1", "tiny-eagle3"):
+    assert (runs / run / "final" / "token_counts.npy").is_file()
   vanilla = _generate(capsys)
   for name in ("eagle1", "eagle2", "eagle3"):
     got = _generate(capsys, "--drafter", name, "--runs-dir", str(runs))
@@ -56,6 +62,9 @@ def test_train_then_generate_with_every_eagle_drafter(trained, capsys):
   explicit = _generate(capsys, "--drafter", "eagle2", "--drafter-ckpt", str(runs / "tiny-eagle1"),
                        "--total-tokens", "5", "--depth", "2", "--top-k-tree", "3")
   assert explicit["token_ids"] == vanilla["token_ids"]
+  for vocab in ("4096", "0"):
+    reduced = _generate(capsys, "--drafter", "eagle2", "--draft-vocab", vocab, "--runs-dir", str(runs))
+    assert reduced["token_ids"] == vanilla["token_ids"], vocab
 
 
 def test_train_then_generate_with_medusa_and_draft_model(trained, capsys):
@@ -123,6 +132,8 @@ def test_train_errors_are_one_line(trained, tmp_path, capsys):
   assert "no trained eagle1 drafter" in capsys.readouterr().err
   assert main(["generate", "--drafter", "medusa", "--drafter-ckpt", str(runs / "tiny-eagle1"), "hi"]) == 2
   assert "holds a 'eagle1' drafter" in capsys.readouterr().err
+  assert main(["generate", "--drafter", "eagle3", "--draft-vocab", "4096", "--runs-dir", str(runs), "hi"]) == 2
+  assert "--draft-vocab applies to eagle1/eagle2" in capsys.readouterr().err
 
 
 def test_bench_spec_rows_name_their_checkpoints(trained):

@@ -60,6 +60,12 @@ class ChainDrafter:
     return jnp.broadcast_to(jnp.arange(self.gamma, dtype=jnp.int32), (batch, self.gamma))
 
 
+def is_width_ladder(widths: tuple[int, ...], top: int) -> bool:
+  """Whether ``widths`` is a valid verify-width ladder: strictly ascending from >= 1 to ``top``."""
+  return (bool(widths) and list(widths) == sorted(set(widths)) and widths[0] >= 1
+          and widths[-1] == top)
+
+
 class Drafter(Protocol):
   num_nodes: int  # N, the static node budget per step
   max_depth: int  # deepest node, bounds the accepted path

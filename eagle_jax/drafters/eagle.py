@@ -62,6 +62,7 @@ class EagleDrafter:
   depth: int = 6
   total_tokens: int = 60
   feature_layers: tuple[int, ...] = ()  # target layers the engine hands over; () = top hidden
+  draft_vocab: int = 0  # size of the EAGLE-1/2 draft vocabulary (0 = the target's whole)
 
   def __post_init__(self):
     if self.tree is None:
@@ -72,14 +73,24 @@ class EagleDrafter:
                             f"total_tokens={self.total_tokens})")
 
   @classmethod
-  def create(cls, head: EagleHead, target, tree: TreeSpec | None = None, **dynamic):
-    """Returns ``(drafter, dparams)``; ``dparams`` = (head weights, target's frozen arrays)."""
+  def create(cls, head: EagleHead, target, tree: TreeSpec | None = None, draft_ids=None,
+             **dynamic):
+    """Returns ``(drafter, dparams)``; ``dparams`` = (head weights, target's frozen arrays).
+
+    ``draft_ids``: an EAGLE-1 head drafts only these target ids, through their rows of the
+    target's LM head (see :func:`eagle_jax.eagle_train.top_tokens`); None = every id.
+    """
     if head.config.target.hidden_size != target.config.hidden_size:
       raise EagleJaxError("EAGLE head was trained for a different target (hidden size "
                           f"{head.config.target.hidden_size} vs {target.config.hidden_size})")
+    if draft_ids is not None and head.lm_head is not None:
+      raise EagleJaxError("an EAGLE-3 head drafts over the vocabulary it was trained with; "
+                          "a draft vocabulary applies to EAGLE-1/2 heads")
     graphdef, state = nnx.split(head)
-    return (cls(graphdef=graphdef, tree=tree, feature_layers=head.config.feature_layers, **dynamic),
-            (state, Frozen.of(target)))
+    frozen = Frozen.of(target, draft_ids)
+    size = 0 if frozen.d2t_K is None else int(frozen.d2t_K.shape[0])
+    return (cls(graphdef=graphdef, tree=tree, feature_layers=head.config.feature_layers,
+                draft_vocab=size, **dynamic), (state, frozen))
 
   @property
   def num_nodes(self) -> int:
@@ -161,7 +172,7 @@ class EagleDrafter:
       kmax = int(ranks[slots].max()) + 1
       top_BxnxK = jax.lax.top_k(par_logits, kmax)[1]
       par_local = np.array([prev_expanded.index(parents[s]) for s in slots])
-      tok = head.to_target(top_BxnxK[:, par_local, ranks[slots]])
+      tok = head.to_target(top_BxnxK[:, par_local, ranks[slots]], frozen)
       tokens_BxM = tokens_BxM.at[:, slots].set(tok)
       expand = np.array([s for s in slots if has_child[s]])
       if expand.size == 0:
@@ -184,7 +195,7 @@ class EagleDrafter:
     rows = jnp.arange(b)[:, None]
     logp = jax.nn.log_softmax(head.logits(state.frontier_BxD, frozen), -1)
     score_Bxk, idx_Bxk = jax.lax.top_k(logp, k)
-    pool_tok, pool_score = [head.to_target(idx_Bxk)], [score_Bxk]
+    pool_tok, pool_score = [head.to_target(idx_Bxk, frozen)], [score_Bxk]
     pool_par = [jnp.full((b, k), -1, jnp.int32)]
     # the nodes expanded at this depth: tokens, pool index, parent feature, scratch ancestry
     tok, pool_idx = pool_tok[0], jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
@@ -197,7 +208,7 @@ class EagleDrafter:
       out, lg, kv = self._step(head, frozen, state, kv, tok, feats, d, slots, anc)
       child_score, child_idx = jax.lax.top_k(jax.nn.log_softmax(lg, -1), k)  # [B, k, k]
       cum = (score_Bxk[:, :, None] + child_score).reshape(b, k * k)
-      pool_tok.append(head.to_target(child_idx).reshape(b, k * k))
+      pool_tok.append(head.to_target(child_idx, frozen).reshape(b, k * k))
       pool_score.append(cum)
       pool_par.append(jnp.repeat(pool_idx, k, axis=1))
       best_score, best = jax.lax.top_k(cum, k)  # expand the best k children next

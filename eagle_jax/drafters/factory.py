@@ -7,7 +7,7 @@ import json
 import os
 
 from eagle_jax.drafters.draft_model import DraftModelDrafter, self_draft_model
-from eagle_jax.drafters.pld import PromptLookupDrafter
+from eagle_jax.drafters.pld import PromptLookupDrafter, check_widths
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model import Transformer
 
@@ -27,7 +27,32 @@ class DrafterOptions:
   depth: int = 0
   total_tokens: int = 0  # eagle2/eagle3 dynamic trees; medusa: a tree of this many nodes
   tree: str = ""  # "default": the paper's static tree (EAGLE-1 25 nodes, Medusa 63 nodes)
+  # eagle1/eagle2: draft over the K most frequent training-reply tokens through their rows of
+  # the target's LM head (FR-Spec); 0 = the whole vocabulary, -1 = the checkpoint's tuned value
+  draft_vocab: int = -1
   runs_dir: str = "runs"  # where trained drafters are looked up when no checkpoint is given
+
+
+def method_spec(spec: str, options: DrafterOptions) -> tuple[str, DrafterOptions]:
+  """``"eagle2:draft_vocab=8192:top_k=4"`` -> ``("eagle2", options with those fields)``, so one
+  benchmark run can compare settings of a drafter side by side (tuples: ``pld_widths=3/8``)."""
+  name, _, rest = spec.partition(":")
+  fields = {f.name: f for f in dataclasses.fields(DrafterOptions)}
+  changes = {}
+  for item in filter(None, (x.strip() for x in rest.split(":"))):
+    key, eq, value = item.partition("=")
+    if not eq or key not in fields:
+      raise EagleJaxError(f"method {spec!r}: expected NAME:key=value:... with keys from: "
+                          f"{', '.join(fields)}")
+    default = getattr(DrafterOptions(), key)
+    try:
+      changes[key] = (tuple(int(v) for v in value.split("/") if v) if isinstance(default, tuple)
+                      else int(value) if isinstance(default, int) else value)
+    except ValueError:
+      raise EagleJaxError(f"method {spec!r}: {key} takes an integer, got {value!r}") from None
+  if name not in DRAFTERS:
+    raise EagleJaxError(f"unknown drafter {name!r} in method {spec!r}; choose from: {', '.join(DRAFTERS)}")
+  return name, dataclasses.replace(options, **changes)
 
 
 def make_drafter(name: str, target: Transformer, options: DrafterOptions = DrafterOptions(),
@@ -63,15 +88,16 @@ def prompt_lookup(target: Transformer, options: DrafterOptions,
   and the acceptance it has seen; ``pld-static`` drafts every match at full ``gamma``."""
   gamma = options.gamma or 8
   widths = (options.pld_widths or tuple(sorted({min(3, gamma), gamma}))) if cost_aware else ()
+  check_widths(widths, gamma)  # before timing verify passes for them
   costs = ()
-  if widths and widths[-1] == gamma:  # else the drafter's own check names the problem
+  if widths:
     from eagle_jax.costs import verify_cost_curve
 
     curve = verify_cost_curve(target, sizes=(1,) + tuple(w + 1 for w in widths))
     costs = tuple(round(curve[w + 1] / curve[1], 3) for w in widths)
   return PromptLookupDrafter(gamma=gamma, min_ngram=options.pld_min_ngram,
                              max_ngram=options.pld_max_ngram, widths=tuple(widths),
-                             costs=costs or (1.0,) * len(widths))
+                             costs=costs)
 
 
 def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
@@ -106,16 +132,30 @@ def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: s
   if head.config.version != EAGLE_VERSION[name]:
     raise EagleJaxError(f"{path}: holds an EAGLE-{head.config.version} head; --drafter {name} "
                         f"needs EAGLE-{EAGLE_VERSION[name]}")
+  tuned = meta.get("budget", {}) if name != "eagle1" else {}
+  vocab = options.draft_vocab if options.draft_vocab >= 0 else tuned.get("draft_vocab", 0)
+  if vocab and name == "eagle3":
+    raise EagleJaxError("--draft-vocab applies to eagle1/eagle2; eagle3 drafts over the "
+                        f"{head.config.vocab}-token vocabulary it was trained with")
+  ids = draft_vocab_ids(path, target, vocab) if vocab else None
   if name == "eagle1" or options.tree == "default":
     tree = TreeSpec.chain(options.gamma) if options.gamma else TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES)
-    drafter, dparams = EagleDrafter.create(head, target, tree)
+    drafter, dparams = EagleDrafter.create(head, target, tree, draft_ids=ids)
   else:
-    tuned = meta.get("budget", {})
     drafter, dparams = EagleDrafter.create(
-        head, target, None, top_k=options.top_k or tuned.get("top_k", 8),
+        head, target, None, draft_ids=ids, top_k=options.top_k or tuned.get("top_k", 8),
         depth=options.depth or tuned.get("depth", 5),
         total_tokens=options.total_tokens or tuned.get("total_tokens", 24))
   return drafter, dparams
+
+
+def draft_vocab_ids(path: str, target: Transformer, size: int):
+  """The ``size`` most frequent training-reply tokens of the head at ``path`` (EOS included)."""
+  from eagle_jax.eagle_train import top_tokens
+  from eagle_jax.exported import load_token_counts
+
+  counts = load_token_counts(path, target.config.vocab_size)
+  return top_tokens(counts, size, always=target.config.eos_token_ids)
 
 
 def make_medusa(target: Transformer, options: DrafterOptions, model: str | None = None):

@@ -26,8 +26,14 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.drafters.base import Accepted, ChainDrafter, Draft
+from eagle_jax.drafters.base import Accepted, ChainDrafter, Draft, is_width_ladder
 from eagle_jax.errors import EagleJaxError
+
+
+def check_widths(widths: tuple[int, ...], gamma: int) -> None:
+  """One-line user error unless ``widths`` is empty or ascends from >= 1 to ``gamma``."""
+  if widths and not is_width_ladder(tuple(widths), gamma):
+    raise EagleJaxError(f"prompt lookup widths {list(widths)} must ascend from >= 1 to gamma={gamma}")
 
 
 @flax.struct.dataclass
@@ -64,10 +70,7 @@ class PromptLookupDrafter(ChainDrafter):
     if self.gamma < 1 or not 1 <= self.min_ngram <= self.max_ngram:
       raise EagleJaxError(f"prompt lookup needs gamma >= 1 and 1 <= min_ngram <= max_ngram; got "
                           f"gamma={self.gamma}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram}")
-    if self.widths and (list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1
-                        or self.widths[-1] != self.gamma):
-      raise EagleJaxError(f"prompt lookup widths {list(self.widths)} must ascend from >= 1 to "
-                          f"gamma={self.gamma}")
+    check_widths(self.widths, self.gamma)
     if len(self.costs) != len(self.widths) or any(c <= 0 for c in self.costs):
       raise EagleJaxError(f"prompt lookup needs one positive verify cost per width; got widths "
                           f"{list(self.widths)}, costs {list(self.costs)}")
