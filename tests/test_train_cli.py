@@ -13,7 +13,7 @@ runs_dir: {runs}
 data: {{train_rows: 8, heldout_rows: 4, row_len: 128, max_len: 128}}
 features: {{rows_per_shard: 4, batch_rows: 4}}
 loop: {{epochs: 1, batch_rows: 2, log_every: 1, eval_every: 0, eval_rows: 4, ckpt_every: 2}}
-tune: {{enabled: {tune}, prompts: 1, max_new_tokens: 8, top_ks: [2, 3], depths: [2, 3], max_nodes: 7,
+tune: {{enabled: {tune}, prompts: 1, max_new_tokens: 8, top_ks: [2], depths: [2, 3], max_nodes: 7,
        draft_vocabs: [4096]}}
 eagle: {{ttt_steps: {ttt}, draft_vocab: {vocab}}}
 decode_eval: {{prompts: 1, max_new_tokens: 8, top_k: 3, depth: 2, total_tokens: 4}}
