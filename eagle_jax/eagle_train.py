@@ -56,11 +56,6 @@ def top_tokens(counts: np.ndarray, size: int, always=()) -> np.ndarray:
   return np.sort(top).astype(np.int32)
 
 
-def draft_vocab_map(shards, size: int, vocab: int, always=()) -> np.ndarray:
-  """EAGLE-3's draft-to-target map: the ``size`` most frequent reply tokens of the training rows."""
-  return top_tokens(reply_token_counts(shards, vocab), size, always)
-
-
 @dataclasses.dataclass(frozen=True)
 class EagleTask:
   config: EagleHeadConfig

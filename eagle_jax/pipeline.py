@@ -177,7 +177,9 @@ def _has_rows(path, rows):
   return bool(m.get("complete")) and (m.get("exhausted") or (rows is not None and have >= rows))
 
 
-def build_task(cfg: TrainConfig, lm, train_shards):
+def build_task(cfg: TrainConfig, lm, train_shards, token_counts=None):
+  """The trainer's task; ``token_counts`` (reply-token counts of ``train_shards``) cut EAGLE-3's
+  draft vocabulary."""
   if cfg.drafter == "medusa":
     from eagle_jax.medusa import MedusaConfig, MedusaTask
 
@@ -192,7 +194,7 @@ def build_task(cfg: TrainConfig, lm, train_shards):
 
     return DistillTask.of(lm.model, cfg.draft_model)
   from eagle_jax.eagle_head import EagleHeadConfig, Frozen
-  from eagle_jax.eagle_train import EagleTask, draft_vocab_map
+  from eagle_jax.eagle_train import EagleTask, reply_token_counts, top_tokens
 
   v3 = cfg.drafter == "eagle3"
   layers = tuple(train_shards.spec["layers"]) if v3 else ()
@@ -201,8 +203,9 @@ def build_task(cfg: TrainConfig, lm, train_shards):
                              draft_vocab=e.draft_vocab if v3 else 0)
   d2t = None
   if v3 and e.draft_vocab:
-    d2t = draft_vocab_map(train_shards, e.draft_vocab, lm.config.vocab_size,
-                          always=lm.tokenizer.eos_token_ids)
+    if token_counts is None:
+      token_counts = reply_token_counts(train_shards, lm.config.vocab_size)
+    d2t = top_tokens(token_counts, e.draft_vocab, always=lm.tokenizer.eos_token_ids)
   return EagleTask(config=head_cfg, frozen=Frozen.of(lm.model), ttt_steps=e.ttt_steps,
                    eval_steps=e.eval_steps, ce_weight=e.ce_weight, reg_weight=e.reg_weight,
                    step_decay=e.step_decay, feature_noise=e.feature_noise, d2t=d2t)
@@ -233,7 +236,12 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   feat_s = time.perf_counter() - t0
   data = FeatureShards(dirs["train"], max_rows=cfg.data.train_rows or None)
   held = FeatureShards(dirs["heldout"], max_rows=cfg.data.heldout_rows)
-  task = build_task(cfg, lm, data)
+  counts = None
+  if cfg.drafter in ("eagle1", "eagle3"):  # exported with the head: draft vocabularies are cut from it
+    from eagle_jax.eagle_train import reply_token_counts
+
+    counts = reply_token_counts(data, lm.config.vocab_size)
+  task = build_task(cfg, lm, data, counts)
   result = train(task, data, held, run_dir, cfg.loop, cfg.optim, progress=progress,
                  eval_hook=decode_eval_hook(cfg, lm))
   final = os.path.join(run_dir, "final")
@@ -243,10 +251,8 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
                                         "heldout": {k: round(v, 4) for k, v in result.last_eval.items()
                                                     if "rank" not in k}},
                  tokenizer_folder=lm.folder)
-  if cfg.drafter in ("eagle1", "eagle3"):  # draft vocabularies are cut from these later
-    from eagle_jax.eagle_train import reply_token_counts
-
-    save_token_counts(final, reply_token_counts(data, lm.config.vocab_size))
+  if counts is not None:
+    save_token_counts(final, counts)
   tuned = {}
   if cfg.tune.enabled and cfg.drafter in ("eagle1", "eagle3"):
     tuned = tune_run(final, lm, cfg)
