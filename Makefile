@@ -18,7 +18,7 @@ demo: setup
 	.venv/bin/eagle-jax run configs/quickstart.yaml
 
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests
 
 bench: setup
 	.venv/bin/eagle-jax bench decode --json

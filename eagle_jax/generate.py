@@ -74,16 +74,27 @@ def prefill(model: Transformer, tokens_BxP, lengths_B, cache: KVCache, return_la
   return out, model.lm_logits(last_hidden_BxD)
 
 
-def _is_stop(tok_B, stop_ids: tuple[int, ...]):
-  if not stop_ids:
-    return jnp.zeros(tok_B.shape, bool)
-  return jnp.isin(tok_B, jnp.asarray(stop_ids, jnp.int32))
+STOP_SLOTS = 4  # stop ids travel as an array padded with -1 to a multiple of this
+
+
+def stop_array(stop_ids: Sequence[int]) -> np.ndarray:
+  """Stop ids as a traced argument: any set of up to 4 ids (EOS, none, custom) shares one
+  compiled program, where a static tuple compiled one per set."""
+  width = max(STOP_SLOTS, -(-len(stop_ids) // STOP_SLOTS) * STOP_SLOTS)
+  out = np.full((width,), -1, np.int32)
+  out[:len(stop_ids)] = stop_ids
+  return out
+
+
+def _is_stop(tok, stop_S):
+  """Whether each token is one of the stop ids (``-1`` padding matches no token)."""
+  return jnp.any(tok[..., None] == stop_S, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "params",
-                                             "stop_ids", "pad_id"))
-def _generate_jit(state, tokens_BxP, lengths_B, key, *, graphdef, max_new_tokens, cache_len,
-                  params, stop_ids, pad_id):
+                                             "pad_id"))
+def _generate_jit(state, tokens_BxP, lengths_B, key, stop_S, *, graphdef, max_new_tokens, cache_len,
+                  params, pad_id):
   model = nnx.merge(graphdef, state)
   b = tokens_BxP.shape[0]
   cache = KVCache.init(model.config, b, cache_len, model.embed.dtype)
@@ -93,7 +104,7 @@ def _generate_jit(state, tokens_BxP, lengths_B, key, *, graphdef, max_new_tokens
   s = _LoopState(
       cache=out.cache, last_B=first_B,
       out_BxN=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_B),
-      num_new_B=jnp.ones((b,), jnp.int32), done_B=_is_stop(first_B, stop_ids),
+      num_new_B=jnp.ones((b,), jnp.int32), done_B=_is_stop(first_B, stop_S),
       step=jnp.array(1, jnp.int32), key=key)
 
   def cond(s):
@@ -106,7 +117,7 @@ def _generate_jit(state, tokens_BxP, lengths_B, key, *, graphdef, max_new_tokens
     return _LoopState(
         cache=step_out.cache, last_B=tok_B, out_BxN=s.out_BxN.at[:, s.step].set(tok_B),
         num_new_B=s.num_new_B + (~s.done_B).astype(jnp.int32),
-        done_B=s.done_B | _is_stop(tok_B, stop_ids), step=s.step + 1, key=key)
+        done_B=s.done_B | _is_stop(tok_B, stop_S), step=s.step + 1, key=key)
 
   s = jax.lax.while_loop(cond, body, s)
   return s.out_BxN, s.num_new_B
@@ -126,9 +137,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
   tokens_BxP, lengths_B, cache_len, stop = prepare_prompts(
       model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id, prompt_width=prompt_width)
   graphdef, state = nnx.split(model)
-  args = (state, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
+  args = (state, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed),
+          jnp.asarray(stop))
   statics = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, cache_len=cache_len,
-                 params=params, stop_ids=stop, pad_id=pad_id)
+                 params=params, pad_id=pad_id)
   (out_BxN, num_new_B), compile_s, run_s = run_compiled(_generate_jit, args, statics)
   return Generation(tokens=[out_BxN[i, :n].tolist() for i, n in enumerate(num_new_B)],
                     num_new=num_new_B.tolist(), seconds=run_s, compile_seconds=compile_s)
@@ -136,7 +148,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 
 def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_len: int | None,
                     stop_ids, pad_id: int, draft_nodes: int = 0, prompt_width: int = 0):
-  """Validates a decoding request; returns padded prompts, lengths, cache length, stop ids.
+  """Validates a decoding request; returns padded prompts, lengths, cache length, stop array.
 
   The cache holds the longest prompt, ``max_new_tokens`` and, for speculative decoding,
   room for the last step's tree and accepted path (``2 * (draft_nodes + 1)`` slots).
@@ -153,7 +165,7 @@ def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_
         f"prompt of {int(lengths_B.max())} tokens plus max_new_tokens={max_new_tokens}{draft} "
         f"needs {need} cache slots, more than the cache length {limit}")
   cache_len = min(tokens_BxP.shape[1] + -(-(max_new_tokens + extra) // BUCKET) * BUCKET, limit)
-  stop = tuple(model.config.eos_token_ids if stop_ids is None else stop_ids)
+  stop = stop_array(tuple(model.config.eos_token_ids if stop_ids is None else stop_ids))
   return tokens_BxP, lengths_B, cache_len, stop
 
 

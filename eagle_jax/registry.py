@@ -10,6 +10,7 @@ folder to force a fresh conversion.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -68,13 +69,17 @@ def _converted_folder(gguf_path: str, name: str) -> str:
   """Converts a GGUF file on first use; reuses the conversion while the file is unchanged."""
   out = os.path.join(cache_dir(), "models", name)
   marker = os.path.join(out, "source.json")
-  if os.path.isfile(marker):
-    with open(marker) as f:
-      src = json.load(f)
-    if src.get("converted_from") == os.path.abspath(gguf_path) and src.get("size") == os.path.getsize(gguf_path):
-      return out
-  print(f"[eagle_jax] converting {gguf_path} -> {out} (first use only)", flush=True)
-  return convert_gguf(gguf_path, out)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  # processes started together (two test workers, two shells) convert once: the others wait
+  with open(out + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if os.path.isfile(marker):
+      with open(marker) as f:
+        src = json.load(f)
+      if src.get("converted_from") == os.path.abspath(gguf_path) and src.get("size") == os.path.getsize(gguf_path):
+        return out
+    print(f"[eagle_jax] converting {gguf_path} -> {out} (first use only)", flush=True)
+    return convert_gguf(gguf_path, out)
 
 
 def resolve(name_or_path: str) -> str:

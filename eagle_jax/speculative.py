@@ -142,9 +142,9 @@ def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth, lay
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "max_new_tokens", "cache_len",
-                                             "params", "stop_ids", "pad_id"))
-def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, max_new_tokens,
-              cache_len, params, stop_ids, pad_id):
+                                             "params", "pad_id"))
+def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, stop_S, *, graphdef, drafter,
+              max_new_tokens, cache_len, params, pad_id):
   model = nnx.merge(graphdef, state)
   b = tokens_BxP.shape[0]
   d = max(drafter.max_depth, 1)
@@ -160,7 +160,7 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
       cache=out.cache, root_B=first_B,
       out_BxN=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_B),
       num_new_B=jnp.ones((b,), jnp.int32),
-      done_B=_is_stop(first_B, stop_ids) | (max_new_tokens <= 1),
+      done_B=_is_stop(first_B, stop_S) | (max_new_tokens <= 1),
       step=jnp.int32(0), key=key, dstate=dstate, draft=draft,
       accepted_BxS=jnp.full((b, max_new_tokens), -1, jnp.int32),
       depth_BxS=jnp.zeros((b, max_new_tokens), jnp.int32),
@@ -179,7 +179,7 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, *, graphdef, drafter, 
     count_B = verdict.num_accepted_B + 1
     # stop at the first stop token and at max_new_tokens
     idx_K = jnp.arange(k)[None, :]
-    is_stop_BxK = _is_stop(emitted_BxK, stop_ids) & (idx_K < count_B[:, None])
+    is_stop_BxK = _is_stop(emitted_BxK, stop_S) & (idx_K < count_B[:, None])
     first_stop_B = jnp.where(is_stop_BxK.any(1), jnp.argmax(is_stop_BxK, 1) + 1, k + 1)
     keep_B = jnp.minimum(jnp.minimum(count_B, first_stop_B), max_new_tokens - s.num_new_B)
     keep_B = jnp.where(active_B, keep_B, 0)
@@ -238,9 +238,10 @@ def speculative_generate(model: Transformer, drafter, dparams, prompts: Sequence
       model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id, draft_nodes=drafter.num_nodes,
       prompt_width=prompt_width)
   graphdef, state = nnx.split(model)
-  args = (state, dparams, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed))
+  args = (state, dparams, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed),
+          jnp.asarray(stop))
   statics = dict(graphdef=graphdef, drafter=drafter, max_new_tokens=max_new_tokens,
-                 cache_len=cache_len, params=params, stop_ids=stop, pad_id=pad_id)
+                 cache_len=cache_len, params=params, pad_id=pad_id)
   (out_BxN, num_new_B, acc_BxS, dep_BxS, path_BxSxD), compile_s, run_s = run_compiled(
       _spec_jit, args, statics)
   acc = [[int(a) for a in row if a >= 0] for row in acc_BxS]

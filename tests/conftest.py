@@ -41,5 +41,17 @@ def mtbench_prompts(smollm):
   return [smollm.tokenizer.chat_prompt(q.turns[0]) for q in load_mtbench()]
 
 
+# The suite runs on two xdist workers, one test module per worker at a time (--dist loadscope,
+# which hands each worker its first two modules in collection order). Compiling real-size
+# programs is single-threaded, so two workers nearly halve the wall time; the longest modules
+# go first and alternate between the workers so that no worker finishes with a long tail.
+LONGEST_FIRST = ["test_train_cli.py", "test_speculative.py", "test_experiment.py", "test_eagle.py"]
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: others keep order
+
+
 def pytest_report_header(config):
   return f"jax {jax.__version__} backend={jax.default_backend()} EAGLE_JAX_CACHE={os.environ.get('EAGLE_JAX_CACHE', '~/.cache/eagle_jax')}"

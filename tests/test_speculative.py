@@ -123,7 +123,7 @@ def vanilla20(smollm, mtbench_prompts):
   """20 MT-bench prompts, their common padded width, and vanilla greedy output, one at a time."""
   prompts = mtbench_prompts[::4][:20]
   width = max(map(len, prompts))  # one padded shape: one compilation per decode function
-  return prompts, width, [generate(smollm.model, [p], max_new_tokens=32, prompt_width=width).tokens[0]
+  return prompts, width, [generate(smollm.model, [p], max_new_tokens=24, prompt_width=width).tokens[0]
                           for p in prompts]
 
 
@@ -140,7 +140,7 @@ def test_real_model_greedy_lossless_20_prompts(smollm, vanilla20, name):
     cfg = tiny_config(vocab_size=target.config.vocab_size, hidden_size=64, num_layers=2)
     drafter, dparams = DraftModelDrafter.create(Transformer(cfg, rngs=nnx.Rngs(0)), gamma=3)
   prompts, width, vanilla = vanilla20
-  spec = lambda batch: speculative_generate(target, drafter, dparams, batch, max_new_tokens=32,
+  spec = lambda batch: speculative_generate(target, drafter, dparams, batch, max_new_tokens=24,
                                             prompt_width=width)
   taus = []
   for i in range(0, 20, 4):
