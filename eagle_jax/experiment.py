@@ -304,12 +304,13 @@ def _load_costs(path, model) -> dict:
 
 def _measure_costs(costs, name, target, drafter, dparams, prompt) -> None:
   """Verify-cost curve (once) and the method's timed draft step, for predicted speedups."""
-  from eagle_jax.costs import verify_cost_curve
+  from eagle_jax.costs import verify_cost_up_to
   from eagle_jax.budget import draft_cost_ms
 
-  if not costs["verify_cost_ms"]:
-    costs["verify_cost_ms"] = {str(k): v for k, v in verify_cost_curve(
-        target, sizes=(1, 2, 4, 8, 16, 32, 64, 96)).items()}
+  # the curve covers the largest tree measured so far; a larger one extends it
+  curve = {int(k): v for k, v in costs["verify_cost_ms"].items()}
+  curve.update(verify_cost_up_to(target, 0 if drafter is None else drafter.num_nodes))
+  costs["verify_cost_ms"] = {str(k): curve[k] for k in sorted(curve)}
   if drafter is not None:
     costs["draft_ms"][name] = round(draft_cost_ms(drafter, dparams, target, prompt), 3)
     costs["num_nodes"][name] = drafter.num_nodes

@@ -21,6 +21,7 @@ import numpy as np
 
 from eagle_jax.distill import DraftModelConfig
 from eagle_jax.configs import dump_config, load_config, read_yaml, to_dict
+from eagle_jax.costs import verify_cost_up_to
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.exported import (export_drafter, final_folder, load_drafter, load_head,
                                 save_token_counts, write_meta)
@@ -324,15 +325,6 @@ def heldout_prompts(tokenizer, count: int, cfg: TrainConfig | None = None) -> li
   return out
 
 
-def _tuning_curve(target, max_nodes: int) -> dict[int, float]:
-  """Verify costs at the grid sizes up to ``max_nodes + 1`` (and the next one, to interpolate)."""
-  from eagle_jax.costs import verify_cost_curve
-
-  grid = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)
-  sizes = tuple(n for n in grid if n <= max_nodes + 1) + tuple(n for n in grid if n > max_nodes + 1)[:1]
-  return verify_cost_curve(target, sizes=sizes)
-
-
 def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
   """Tunes the EAGLE-2 budget of the head in ``final`` and records it in ``drafter.json``."""
   from eagle_jax.budget import tune_budget
@@ -347,7 +339,7 @@ def tune_run(final: str, lm, cfg: TrainConfig | None = None) -> dict:
 
     vocabs = {n: draft_vocab_ids(final, lm.model, n) for n in t.draft_vocabs
               if 0 < n < lm.config.vocab_size}
-  result = tune_budget(head, lm.model, prompts, curve=_tuning_curve(lm.model, t.max_nodes),
+  result = tune_budget(head, lm.model, prompts, curve=verify_cost_up_to(lm.model, t.max_nodes),
                        top_ks=t.top_ks, depths=t.depths, max_nodes=t.max_nodes,
                        max_new_tokens=t.max_new_tokens, draft_vocabs=vocabs)
   with open(os.path.join(final, "budget.json"), "w") as f:
@@ -377,7 +369,7 @@ def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict |
   drafter, dparams = MedusaDrafter.create(heads, TreeSpec.from_choices(best_tree(acc, t.max_nodes)[0]))
   prompt = heldout_prompts(lm.tokenizer, 1, cfg)[0]
   result = tune_tree(draft_cost_ms(drafter, dparams, lm.model, prompt), acc,
-                     _tuning_curve(lm.model, t.max_nodes), max_nodes=t.max_nodes)
+                     verify_cost_up_to(lm.model, t.max_nodes), max_nodes=t.max_nodes)
   with open(os.path.join(final, "budget.json"), "w") as f:
     json.dump(result, f, indent=1)
   meta["rank_acc"] = [[round(a, 5) for a in row] for row in acc]

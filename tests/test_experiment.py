@@ -98,6 +98,9 @@ def test_runner_writes_records_summary_and_table(finished):
   table = (out / "table.md").read_text()
   assert "| skip2 |" in table and "Speedup (T=0.0)" in table
   assert (out / "config.yaml").is_file()
+  costs = json.loads((out / "costs.json").read_text())
+  sizes, biggest = sorted(map(int, costs["verify_cost_ms"])), max(costs["num_nodes"].values()) + 1
+  assert sizes[0] == 1 and sizes[-2] <= biggest <= sizes[-1]  # the sizes the trees need, no more
 
 
 def test_rerun_only_rerenders(finished, monkeypatch, capsys):

@@ -1,3 +1,5 @@
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,6 +38,21 @@ def test_stop_token_ends_row_and_is_kept(tiny):
   first = free.index(stop)
   gen = generate(model, [[3, 4, 5], [3, 4, 5]], max_new_tokens=10, stop_ids=(stop,))
   assert gen.tokens[0] == free[:first + 1] and gen.num_new == [first + 1] * 2
+
+
+def test_stop_sets_share_one_compiled_program(tiny):
+  """Stop ids are a traced argument: changing them (up to four) compiles nothing new."""
+  compiled = sys.modules["eagle_jax.generate"]._COMPILED  # the module, not the function
+  model = tiny()
+  free = generate(model, [[3, 4, 5]], max_new_tokens=10, stop_ids=())
+  before = len(compiled)
+  for stop in [(free.tokens[0][2],), (1, 2, 3, 4), ()]:
+    gen = generate(model, [[3, 4, 5]], max_new_tokens=10, stop_ids=stop)
+    hit = [i for i, t in enumerate(free.tokens[0]) if t in stop]
+    assert gen.tokens[0] == free.tokens[0][:hit[0] + 1 if hit else 10]
+  assert len(compiled) == before
+  many = generate(model, [[3, 4, 5]], max_new_tokens=10, stop_ids=(90, 91, 92, 93, free.tokens[0][4]))
+  assert many.tokens[0] == free.tokens[0][:free.tokens[0].index(free.tokens[0][4]) + 1]
 
 
 def test_sampling_seeded_and_top_k_one_is_greedy(tiny):
