@@ -135,10 +135,10 @@ def test_real_model_greedy_lossless_20_prompts(smollm, vanilla20, name):
   if name == "pld":  # cost-aware widths, as the CLI drafts (costs as measured on a 2-core CPU)
     drafter, dparams = PromptLookupDrafter(gamma=8, max_ngram=3, widths=(3, 8), costs=(1.7, 2.3)), None
   elif name == "self-draft":
-    drafter, dparams = DraftModelDrafter.create(self_draft_model(target, 6), gamma=3)
+    drafter, dparams = DraftModelDrafter.create(self_draft_model(target, 6), gamma=2)
   else:  # an untrained random draft model sharing the tokenizer: the worst honest draft
     cfg = tiny_config(vocab_size=target.config.vocab_size, hidden_size=64, num_layers=2)
-    drafter, dparams = DraftModelDrafter.create(Transformer(cfg, rngs=nnx.Rngs(0)), gamma=3)
+    drafter, dparams = DraftModelDrafter.create(Transformer(cfg, rngs=nnx.Rngs(0)), gamma=2)
   prompts, width, vanilla = vanilla20
   spec = lambda batch: speculative_generate(target, drafter, dparams, batch, max_new_tokens=24,
                                             prompt_width=width)
