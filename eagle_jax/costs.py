@@ -58,8 +58,12 @@ def verify_cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 192, 
 GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128)  # verify sizes (nodes incl. root)
 
 
+def sizes_up_to(max_nodes: int) -> tuple[int, ...]:
+  """The grid sizes up to ``max_nodes + 1`` (a tree plus its root) and the next one, so any
+  tree of at most ``max_nodes`` nodes is interpolated on the curve, not clamped."""
+  return tuple(n for n in GRID if n <= max_nodes + 1) + tuple(n for n in GRID if n > max_nodes + 1)[:1]
+
+
 def verify_cost_up_to(model, max_nodes: int) -> dict[int, float]:
-  """The verify-cost curve at the grid sizes up to ``max_nodes + 1`` (a tree plus its root)
-  and the next one, so any tree of at most ``max_nodes`` nodes is interpolated, not clamped."""
-  sizes = tuple(n for n in GRID if n <= max_nodes + 1) + tuple(n for n in GRID if n > max_nodes + 1)[:1]
-  return verify_cost_curve(model, sizes=sizes)
+  """The verify-cost curve at :func:`sizes_up_to` ``(max_nodes)``."""
+  return verify_cost_curve(model, sizes=sizes_up_to(max_nodes))

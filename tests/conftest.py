@@ -43,7 +43,7 @@ def mtbench_prompts(smollm):
 
 # The suite runs on two xdist workers, one test module per worker at a time (--dist loadscope,
 # which hands each worker its first two modules in collection order). Compiling real-size
-# programs is single-threaded, so two workers nearly halve the wall time; the longest modules
+# programs is single-threaded, so a second worker keeps the second core busy; the longest modules
 # go first and alternate between the workers so that no worker finishes with a long tail.
 LONGEST_FIRST = ["test_train_cli.py", "test_speculative.py", "test_experiment.py", "test_eagle.py"]
 

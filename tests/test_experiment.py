@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from eagle_jax import experiment
+from eagle_jax import costs, experiment
 from eagle_jax.cli import main
 from eagle_jax.configs import load_config
 from eagle_jax.errors import EagleJaxError
@@ -116,11 +116,13 @@ def test_rerun_only_rerenders(finished, monkeypatch, capsys):
   assert "| pld |" in capsys.readouterr().out
   assert (out / "records" / "pld-T1.0.jsonl").read_text() == before
   # a changed method re-evaluates that method only
-  calls = []
+  calls, timed = [], []
   monkeypatch.setattr(experiment, "run_unit", lambda *a, **k: calls.append(a[4]) or boom())
+  monkeypatch.setattr(costs, "verify_cost_curve", lambda *a, **k: timed.append(k) or {})
   with pytest.raises(AssertionError):
     main(["run", str(path), "eval.max_new_tokens=9"])
   assert calls == ["vanilla"]
+  assert timed == []  # the stored costs.json covers vanilla's sizes: nothing is timed again
 
 
 def test_table_command_markdown_and_latex(finished, capsys):
