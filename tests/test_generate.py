@@ -31,6 +31,29 @@ def test_ragged_batch_equals_alone_tiny(tiny):
     assert generate(model, [p], max_new_tokens=12, stop_ids=()).tokens[0] == toks
 
 
+def test_chunked_prefill_equals_one_pass(tiny, monkeypatch):
+  """Prompts wider than the chunk run chunk by chunk (stopping after the longest row): same
+  logits, cache, lengths and hidden states at every real position as one pass over all."""
+  gen = sys.modules["eagle_jax.generate"]
+  model = tiny()
+  lengths = np.array([5, 19, 11])
+  tokens = np.zeros((3, 40), np.int32)  # a width that is not a multiple of the chunk
+  for i, n in enumerate(lengths):
+    tokens[i, :n] = np.random.RandomState(i).randint(1, model.config.vocab_size, n)
+  run = lambda: gen.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths),
+                            gen.KVCache.init(model.config, 3, 64), return_layers=(0, 2))
+  whole, whole_logits = run()
+  monkeypatch.setattr(gen, "PREFILL_CHUNK", 8)
+  chunked, chunked_logits = run()
+  np.testing.assert_allclose(chunked_logits, whole_logits, atol=1e-5)
+  assert chunked.cache.lengths_B.tolist() == lengths.tolist() == whole.cache.lengths_B.tolist()
+  assert chunked.hidden_BxTxD.shape == whole.hidden_BxTxD.shape
+  for i, n in enumerate(lengths):
+    for a, b in [(chunked.hidden_BxTxD, whole.hidden_BxTxD), *zip(chunked.layer_hiddens, whole.layer_hiddens),
+                 *zip(chunked.cache.k, whole.cache.k), *zip(chunked.cache.v, whole.cache.v)]:
+      np.testing.assert_allclose(a[i, :n], b[i, :n], atol=1e-5)
+
+
 def test_stop_token_ends_row_and_is_kept(tiny):
   model = tiny()
   free = generate(model, [[3, 4, 5]], max_new_tokens=10, stop_ids=()).tokens[0]

@@ -19,6 +19,7 @@ from flax import nnx
 from eagle_jax.checkpoints import abstract_model
 from eagle_jax.drafters.base import Accepted, ChainDrafter, Draft
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.generate import prefill
 from eagle_jax.model import KVCache, Transformer
 from eagle_jax.sampling import probabilities, sample
 
@@ -64,10 +65,9 @@ class DraftModelDrafter(ChainDrafter):
 
   def init(self, dparams, prompt_BxP, lengths_B, features_BxPxD, first_B, cache_len):
     model = nnx.merge(self.graphdef, dparams)
-    b, p = prompt_BxP.shape
+    b = prompt_BxP.shape[0]
     cache = KVCache.init(model.config, b, cache_len, model.embed.dtype)
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    cache = model(prompt_BxP, pos, cache, num_valid_B=lengths_B, with_logits=False).cache
+    cache = prefill(model, prompt_BxP, lengths_B, cache)[0].cache  # its logits are dead code
     pending = jnp.zeros((b, self.gamma + 1), jnp.int32).at[:, 0].set(first_B)
     return DraftModelState(cache=cache, pending_BxK=pending, num_pending_B=jnp.ones((b,), jnp.int32))
 
