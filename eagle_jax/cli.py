@@ -265,7 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  from eagle_jax.registry import enable_compilation_cache
+
   args = build_parser().parse_args(argv)
+  enable_compilation_cache()
   try:
     args.func(args)
   except EagleJaxError as e:

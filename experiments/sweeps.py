@@ -39,7 +39,7 @@ from eagle_jax.errors import EagleJaxError
 from eagle_jax.experiment import (TRAINED, EvalConfig, ExperimentConfig, MethodConfig,
                                   build_prompts, drafter_for, ensure_checkpoint, questions_for,
                                   run_unit)
-from eagle_jax.registry import DEFAULT_MODEL, load_model
+from eagle_jax.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
 from eagle_jax.tables import TAU, tau_of, tokens_per_s
 
 CHAIN = ("pld", "pld-static", "eagle1", "self-draft", "draft-model")  # budget = gamma, the chain length
@@ -379,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  enable_compilation_cache()
   try:
     ev = EvalConfig(num_questions=args.num_questions, max_new_tokens=args.max_new_tokens)
     ev.validate()

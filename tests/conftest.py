@@ -6,8 +6,12 @@ from flax import nnx
 
 from eagle_jax.config import tiny_config
 from eagle_jax.model import Transformer
+from eagle_jax.registry import enable_compilation_cache
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# compiled programs go to $EAGLE_JAX_CACHE/xla, as the CLI's do: a program another test module or
+# the other worker compiled already (same model, shapes and options) is loaded, not recompiled
+enable_compilation_cache()
 
 
 @pytest.fixture(autouse=True, scope="module")
