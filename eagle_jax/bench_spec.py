@@ -21,7 +21,7 @@ from eagle_jax.drafters.factory import (EAGLE_VERSION, DrafterOptions, find_chec
 from eagle_jax.generate import generate
 from eagle_jax.registry import load_model
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import acceptance_rates, speculative_generate, verify_widths
+from eagle_jax.speculative import acceptance_rates, loop_widths, speculative_generate, verify_widths
 
 
 def _interp(curve: dict[int, float], n: float) -> float:
@@ -139,11 +139,11 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
       if kind in EAGLE_VERSION or kind in ("medusa", "draft-model"):
         row["checkpoint"] = opts.draft_model or find_checkpoint(kind, opts.runs_dir, model)
       tree = getattr(drafter, "tree", "chain")
-      widths = verify_widths(drafter)
+      widths, steps = verify_widths(drafter), loop_widths(drafter)
       if tree == "chain":  # at batch 1 a chain's drafted depth is its verified width
-        used = collections.Counter(next((w for w in (0,) + widths if w >= d), 0)
+        used = collections.Counter(next((w for w in steps if w >= d), steps[0])
                                    for row_d in drafted for d in row_d)
-        row["steps_by_width"] = {str(w): used[w] for w in (0,) + widths}
+        row["steps_by_width"] = {str(w): used[w] for w in steps}
       if getattr(drafter, "costs", ()):
         row["width_costs"] = dict(zip(map(str, widths), drafter.costs))
       row["tree"] = (f"chain of {drafter.num_nodes}" if tree == "chain" and len(widths) == 1 else

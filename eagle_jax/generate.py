@@ -2,7 +2,9 @@
 
 Prompts of different lengths are right-padded into one ``[B, P]`` array; each row's
 cache length starts at its own prompt length, so a row in a ragged batch decodes exactly
-as it would alone.
+as it would alone. The prompt pass is a program of its own (:func:`run_prefill`) that hands
+the filled cache to the token loop: vanilla decoding and every speculative drafter share it
+for the same shapes, and no loop program compiles a copy of it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,27 @@ def prefill(model: Transformer, tokens_BxP, lengths_B, cache: KVCache, return_la
   return out, model.lm_logits(last_hidden_BxD)
 
 
+def features_of(out, layers: tuple[int, ...]) -> jax.Array:
+  """A drafter's target features: the top hidden state, or chosen layers concatenated."""
+  return jnp.concatenate(out.layer_hiddens, -1) if layers else out.hidden_BxTxD
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "layers"))
+def _prefill_jit(state, tokens_BxP, lengths_B, *, graphdef, cache_len, layers):
+  model = nnx.merge(graphdef, state)
+  cache = KVCache.init(model.config, tokens_BxP.shape[0], cache_len, model.embed.dtype)
+  out, logits_BxV = prefill(model, tokens_BxP, lengths_B, cache, return_layers=layers)
+  return out.cache, features_of(out, layers), logits_BxV
+
+
+def run_prefill(graphdef, state, tokens_BxP, lengths_B, cache_len: int, layers: tuple[int, ...] = ()):
+  """The compiled prompt pass into a fresh cache of ``cache_len`` slots; returns ((cache,
+  features ``[B, P, F]`` as :func:`features_of`, logits at each row's last token ``[B, V]``),
+  compile seconds, run seconds), outputs left on the device for the loop that follows."""
+  return run_compiled(_prefill_jit, (state, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B)),
+                      dict(graphdef=graphdef, cache_len=cache_len, layers=tuple(layers)), host=False)
+
+
 def _chunked_prefill(model: Transformer, tokens_BxP, lengths_B, cache: KVCache, return_layers):
   b, p = tokens_BxP.shape
   c = PREFILL_CHUNK
@@ -133,18 +156,14 @@ def _is_stop(tok, stop_S):
   return jnp.any(tok[..., None] == stop_S, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "params",
-                                             "pad_id"))
-def _generate_jit(state, tokens_BxP, lengths_B, key, stop_S, *, graphdef, max_new_tokens, cache_len,
-                  params, pad_id):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "params", "pad_id"))
+def _generate_jit(state, cache, logits_BxV, key, stop_S, *, graphdef, max_new_tokens, params, pad_id):
   model = nnx.merge(graphdef, state)
-  b = tokens_BxP.shape[0]
-  cache = KVCache.init(model.config, b, cache_len, model.embed.dtype)
-  out, logits_BxV = prefill(model, tokens_BxP, lengths_B, cache)
+  b = logits_BxV.shape[0]
   key, sub = jax.random.split(key)
   first_B = sample(sub, logits_BxV, params)
   s = _LoopState(
-      cache=out.cache, last_B=first_B,
+      cache=cache, last_B=first_B,
       out_BxN=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_B),
       num_new_B=jnp.ones((b,), jnp.int32), done_B=_is_stop(first_B, stop_S),
       step=jnp.array(1, jnp.int32), key=key)
@@ -179,13 +198,14 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
   tokens_BxP, lengths_B, cache_len, stop = prepare_prompts(
       model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id, prompt_width=prompt_width)
   graphdef, state = nnx.split(model)
-  args = (state, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed),
-          jnp.asarray(stop))
-  statics = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, cache_len=cache_len,
-                 params=params, pad_id=pad_id)
+  (cache, _, logits_BxV), compile0, run0 = run_prefill(graphdef, state, tokens_BxP, lengths_B,
+                                                       cache_len)
+  args = (state, cache, logits_BxV, jax.random.key(seed), jnp.asarray(stop))
+  statics = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, params=params, pad_id=pad_id)
   (out_BxN, num_new_B), compile_s, run_s = run_compiled(_generate_jit, args, statics)
   return Generation(tokens=[out_BxN[i, :n].tolist() for i, n in enumerate(num_new_B)],
-                    num_new=num_new_B.tolist(), seconds=run_s, compile_seconds=compile_s)
+                    num_new=num_new_B.tolist(), seconds=run0 + run_s,
+                    compile_seconds=compile0 + compile_s)
 
 
 def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_len: int | None,
@@ -214,9 +234,10 @@ def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_
 _COMPILED: dict = {}
 
 
-def run_compiled(jitted, args, statics: dict):
+def run_compiled(jitted, args, statics: dict, host: bool = True):
   """Compiles ``jitted`` ahead of time once per (function, argument shapes, statics), then runs
-  it; returns (numpy outputs, compile seconds, run seconds) so runs are timed without compile."""
+  it; returns (outputs, compile seconds, run seconds) so runs are timed without compile.
+  Outputs are numpy arrays, or device arrays with ``host=False``."""
   shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args))
   key = (jitted, jax.tree.structure(args), shapes, tuple(sorted(statics.items())))
   t0 = time.perf_counter()
@@ -225,4 +246,4 @@ def run_compiled(jitted, args, statics: dict):
   t1 = time.perf_counter()
   out = jax.block_until_ready(_COMPILED[key](*args))
   t2 = time.perf_counter()
-  return jax.tree.map(np.asarray, out), t1 - t0, t2 - t1
+  return (jax.tree.map(np.asarray, out) if host else out), t1 - t0, t2 - t1

@@ -9,7 +9,9 @@ Verify widths: a drafter may declare a ladder of node counts (``widths``, ascend
 holds every active row's valid nodes, and takes plain one-token decode steps while no row has
 a draft: each width is its own compiled step inside its own inner ``while_loop``, so a drafter
 that drafts little pays for a small target pass, and one that drafts nothing costs (almost)
-nothing.
+nothing. A drafter that declares ``always_drafts`` (every step has a valid node in every row)
+gets no plain-step loop: one copy fewer of the target forward and of the drafter's
+update/propose to compile, for a loop that would never run.
 
 Counting convention: **tau** = tokens emitted per target verify pass, *including* the target's
 bonus token (accepted drafts + 1), averaged over verify passes; the prefill pass that emits
@@ -30,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.drafters.base import Accepted, Draft, is_width_ladder
-from eagle_jax.generate import _is_stop, prefill, prepare_prompts, run_compiled
+from eagle_jax.generate import _is_stop, features_of, prepare_prompts, run_compiled, run_prefill
 from eagle_jax.model import KVCache, Transformer
 from eagle_jax.sampling import SamplingParams, sample
 from eagle_jax.tree import tree_structure
@@ -96,9 +98,10 @@ def verify_widths(drafter) -> tuple[int, ...]:
   return widths
 
 
-def features_of(out, layers: tuple[int, ...]) -> jax.Array:
-  """The drafter's target features: the top hidden state, or chosen layers concatenated."""
-  return jnp.concatenate(out.layer_hiddens, -1) if layers else out.hidden_BxTxD
+def loop_widths(drafter) -> tuple[int, ...]:
+  """The widths the compiled loop has a step for: 0 (a plain decode step) unless the drafter
+  declares ``always_drafts``, then its verify widths."""
+  return (() if getattr(drafter, "always_drafts", False) else (0,)) + verify_widths(drafter)
 
 
 def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth, layers=()):
@@ -143,21 +146,21 @@ def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth, lay
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "max_new_tokens", "cache_len",
                                              "params", "pad_id"))
-def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, stop_S, *, graphdef, drafter,
-              max_new_tokens, cache_len, params, pad_id):
+def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_BxV, key, stop_S, *,
+              graphdef, drafter, max_new_tokens, cache_len, params, pad_id):
+  """The loop after the prompt pass (``cache``, features and last-token logits from
+  :func:`~eagle_jax.generate.run_prefill`)."""
   model = nnx.merge(graphdef, state)
   b = tokens_BxP.shape[0]
   d = max(drafter.max_depth, 1)
-  cache = KVCache.init(model.config, b, cache_len, model.embed.dtype)
   layers = tuple(drafter.feature_layers)
-  out, logits_BxV = prefill(model, tokens_BxP, lengths_B, cache, return_layers=layers)
   key, sub = jax.random.split(key)
   first_B = sample(sub, logits_BxV, params)
-  dstate = drafter.init(dparams, tokens_BxP, lengths_B, features_of(out, layers), first_B, cache_len)
+  dstate = drafter.init(dparams, tokens_BxP, lengths_B, feats_BxPxF, first_B, cache_len)
   key, k_draft = jax.random.split(key)
   draft, dstate = drafter.propose(dparams, dstate, first_B, k_draft, params)
   s = _SpecState(
-      cache=out.cache, root_B=first_B,
+      cache=cache, root_B=first_B,
       out_BxN=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_B),
       num_new_B=jnp.ones((b,), jnp.int32),
       done_B=_is_stop(first_B, stop_S) | (max_new_tokens <= 1),
@@ -201,14 +204,15 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, key, stop_S, *, graphdef, d
         path_BxSxD=s.path_BxSxD.at[:, step_col].set(jnp.where(
             jnp.arange(d)[None] < verdict.num_accepted_B[:, None], verdict.path_BxD, 0)))
 
-  rungs = (0,) + verify_widths(drafter)
+  rungs = loop_widths(drafter)
   rungs_R = jnp.asarray(rungs, jnp.int32)
 
   def cond(s):
     return ~jnp.all(s.done_B)
 
   def rung(s):
-    """Index of the smallest width holding every active row's valid nodes (0: none)."""
+    """Index of the smallest width holding every active row's valid nodes (with no valid node,
+    the plain step, or the smallest width where the loop has none)."""
     slots_BxN = jnp.arange(1, s.draft.valid_BxN.shape[1] + 1)[None, :]
     need = jnp.max(jnp.where(s.draft.valid_BxN & ~s.done_B[:, None], slots_BxN, 0))
     return jnp.sum(rungs_R < need)
@@ -238,12 +242,15 @@ def speculative_generate(model: Transformer, drafter, dparams, prompts: Sequence
       model, prompts, max_new_tokens, max_cache_len, stop_ids, pad_id, draft_nodes=drafter.num_nodes,
       prompt_width=prompt_width)
   graphdef, state = nnx.split(model)
-  args = (state, dparams, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), jax.random.key(seed),
-          jnp.asarray(stop))
+  (cache, feats_BxPxF, logits_BxV), compile0, run0 = run_prefill(
+      graphdef, state, tokens_BxP, lengths_B, cache_len, tuple(drafter.feature_layers))
+  args = (state, dparams, jnp.asarray(tokens_BxP), jnp.asarray(lengths_B), cache, feats_BxPxF,
+          logits_BxV, jax.random.key(seed), jnp.asarray(stop))
   statics = dict(graphdef=graphdef, drafter=drafter, max_new_tokens=max_new_tokens,
                  cache_len=cache_len, params=params, pad_id=pad_id)
   (out_BxN, num_new_B, acc_BxS, dep_BxS, path_BxSxD), compile_s, run_s = run_compiled(
       _spec_jit, args, statics)
+  compile_s, run_s = compile0 + compile_s, run0 + run_s
   acc = [[int(a) for a in row if a >= 0] for row in acc_BxS]
   dep = [[int(d) for d, a in zip(drow, arow) if a >= 0] for drow, arow in zip(dep_BxS, acc_BxS)]
   paths = [[tuple(int(x) for x in p[:a]) for p, a in zip(prow, arow) if a >= 0]

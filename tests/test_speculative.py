@@ -79,6 +79,32 @@ def test_greedy_equals_vanilla_tiny(tiny, name, stop):
   assert alone.tokens[0] == ref.tokens[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class AlwaysPLD(PromptLookupDrafter):
+  """Prompt lookup claiming ``always_drafts`` although many of its steps draft nothing."""
+
+  always_drafts = True
+
+
+def test_always_drafting_loop_has_no_plain_step_and_stays_exact(tiny):
+  from eagle_jax.drafters import EagleDrafter
+  from eagle_jax.drafters.medusa import MedusaDrafter
+  from eagle_jax.speculative import loop_widths
+
+  target = tiny()
+  drafter, dparams = DraftModelDrafter.create(target, gamma=3)
+  assert loop_widths(drafter) == (3,)  # no plain one-token step compiled for it
+  assert EagleDrafter.always_drafts and MedusaDrafter.always_drafts
+  assert loop_widths(PromptLookupDrafter(gamma=4, widths=(2, 4), costs=(1.0, 1.0))) == (0, 2, 4)
+  # a step with no valid node in any row (this drafter breaks its claim) verifies the smallest
+  # width instead of a plain step: the output is still vanilla's
+  wrong = AlwaysPLD(gamma=4, max_ngram=2, widths=(1, 4), costs=(1.0, 1.0))
+  assert loop_widths(wrong) == (1, 4)
+  gen = speculative_generate(target, wrong, None, PROMPTS, max_new_tokens=30)
+  assert 0 in {d for row in gen.drafted_depth for d in row}  # it did draft nothing, sometimes
+  assert gen.tokens == generate(target, PROMPTS, max_new_tokens=30).tokens
+
+
 def test_target_drafting_for_itself_accepts_everything(tiny):
   target = tiny()
   drafter, dparams = DraftModelDrafter.create(target, gamma=4)

@@ -76,6 +76,9 @@ class Drafter(Protocol):
   # (num_nodes,)). Each step verifies the smallest width holding every active row's valid
   # nodes, or takes a plain decode step when there are none (eagle_jax.speculative).
   widths: tuple[int, ...]
+  # Optional, default False: every step proposes at least one valid node in every row, so the
+  # loop compiles no plain one-token decode step for this drafter (it would never run).
+  always_drafts: bool
 
   def init(self, dparams: Any, prompt_BxP: jax.Array, lengths_B: jax.Array,
            features_BxPxD: jax.Array, first_B: jax.Array, cache_len: int) -> Any:

@@ -52,6 +52,7 @@ class DraftModelDrafter(ChainDrafter):
 
   graphdef: nnx.GraphDef
   gamma: int = 4
+  always_drafts = True  # a full chain every step (not a dataclass field)
 
   @classmethod
   def create(cls, draft: Transformer, gamma: int = 4, target_vocab: int | None = None):

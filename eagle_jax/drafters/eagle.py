@@ -63,6 +63,7 @@ class EagleDrafter:
   total_tokens: int = 60
   feature_layers: tuple[int, ...] = ()  # target layers the engine hands over; () = top hidden
   draft_vocab: int = 0  # size of the EAGLE-1/2 draft vocabulary (0 = the target's whole)
+  always_drafts = True  # static trees are all valid; a dynamic tree keeps its best depth-1 node
 
   def __post_init__(self):
     if self.tree is None:

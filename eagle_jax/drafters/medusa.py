@@ -33,6 +33,7 @@ class MedusaDrafter:
   graphdef: nnx.GraphDef
   tree: TreeSpec
   feature_layers: tuple[int, ...] = ()  # the top hidden state
+  always_drafts = True  # the whole static tree every step (not a dataclass field)
 
   @classmethod
   def create(cls, heads: MedusaHeads, tree: TreeSpec, target=None):
