@@ -7,11 +7,12 @@ accepted draft tokens (-1 once the row has finished) and the depth that was draf
 Verify widths: a drafter may declare a ladder of node counts (``widths``, ascending, the largest
 = ``num_nodes``; default ``(num_nodes,)``). Each step the loop verifies the smallest width that
 holds every active row's valid nodes, and takes plain one-token decode steps while no row has
-a draft: each width is its own compiled step inside its own inner ``while_loop``, so a drafter
-that drafts little pays for a small target pass, and one that drafts nothing costs (almost)
+a draft: each width's target pass is its own inner ``while_loop`` that runs once or not at all
+in a step, followed by one shared tail (emit, drafter update, propose), so a drafter that
+drafts little pays for a small target pass, and one that drafts nothing costs (almost)
 nothing. A drafter that declares ``always_drafts`` (every step has a valid node in every row)
-gets no plain-step loop: one copy fewer of the target forward and of the drafter's
-update/propose to compile, for a loop that would never run.
+gets no plain-step loop: one copy fewer of the target forward to compile, for a loop that
+would never run.
 
 Counting convention: **tau** = tokens emitted per target verify pass, *including* the target's
 bonus token (accepted drafts + 1), averaged over verify passes; the prefill pass that emits
@@ -75,6 +76,17 @@ def acceptance_rates(accepted, drafted, max_n=None) -> list[float]:
 
 
 @flax.struct.dataclass
+class _Pass:
+  """This step's target pass (``done`` once a width ran it), for the step's shared tail."""
+  done: jax.Array
+  key: jax.Array  # the pass's sampling key
+  verdict: Verdict
+  emitted_BxK: jax.Array
+  features_BxKxF: jax.Array
+  depth_B: jax.Array
+
+
+@flax.struct.dataclass
 class _SpecState:
   cache: KVCache
   root_B: jax.Array
@@ -88,6 +100,7 @@ class _SpecState:
   accepted_BxS: jax.Array
   depth_BxS: jax.Array
   path_BxSxD: jax.Array
+  pass_: _Pass
 
 
 def verify_widths(drafter) -> tuple[int, ...]:
@@ -167,17 +180,31 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_
       step=jnp.int32(0), key=key, dstate=dstate, draft=draft,
       accepted_BxS=jnp.full((b, max_new_tokens), -1, jnp.int32),
       depth_BxS=jnp.zeros((b, max_new_tokens), jnp.int32),
-      path_BxSxD=jnp.zeros((b, max_new_tokens, d), jnp.int32))
+      path_BxSxD=jnp.zeros((b, max_new_tokens, d), jnp.int32),
+      pass_=_Pass(done=jnp.bool_(False), key=key,
+                  verdict=Verdict(path_BxD=jnp.zeros((b, d), jnp.int32),
+                                  num_accepted_B=jnp.zeros((b,), jnp.int32),
+                                  bonus_B=jnp.zeros((b,), jnp.int32)),
+                  emitted_BxK=jnp.zeros((b, d + 1), jnp.int32),
+                  features_BxKxF=jnp.zeros((b, d + 1, feats_BxPxF.shape[-1]), feats_BxPxF.dtype),
+                  depth_B=jnp.zeros((b,), jnp.int32)))
 
-  def step(s: _SpecState, width: int) -> _SpecState:
-    """Verify the first ``width`` nodes of ``s.draft`` (0: a plain decode step), emit, update,
-    draft again."""
-    key, k_draft, k_verify = jax.random.split(s.key, 3)
+  def verify_width(s: _SpecState, width: int) -> _SpecState:
+    """The target pass over the first ``width`` nodes of ``s.draft`` (0: a plain decode step),
+    its verdict parked in ``s.pass_`` for the step's shared tail."""
     active_B = ~s.done_B
     draft = jax.tree.map(lambda x: x[:, :width], s.draft)
     cache, verdict, emitted_BxK, feats, depth_B = _target_pass(
-        model, s.cache, s.root_B, draft, k_verify, params, d, layers)
+        model, s.cache, s.root_B, draft, s.pass_.key, params, d, layers)
     cache = cache.replace(lengths_B=jnp.where(active_B, cache.lengths_B, s.cache.lengths_B))
+    return s.replace(cache=cache, pass_=_Pass(
+        done=jnp.bool_(True), key=s.pass_.key, verdict=verdict, emitted_BxK=emitted_BxK,
+        features_BxKxF=feats.astype(s.pass_.features_BxKxF.dtype), depth_B=depth_B))
+
+  def tail(s: _SpecState, k_draft) -> _SpecState:
+    """Emit the verified tokens, update the drafter, draft again: one copy for every width."""
+    active_B = ~s.done_B
+    verdict, emitted_BxK, depth_B = s.pass_.verdict, s.pass_.emitted_BxK, s.pass_.depth_B
     k = emitted_BxK.shape[1]
     count_B = verdict.num_accepted_B + 1
     # stop at the first stop token and at max_new_tokens
@@ -191,13 +218,13 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_
     num_new_B = s.num_new_B + keep_B
     done_B = s.done_B | (first_stop_B <= count_B) | (num_new_B >= max_new_tokens)
     accepted = Accepted(tokens_BxK=emitted_BxK, count_B=jnp.where(active_B, count_B, 0),
-                        features_BxKxD=feats)
+                        features_BxKxD=s.pass_.features_BxKxF)
     dstate = drafter.update(dparams, s.dstate, accepted)
     next_draft, dstate = drafter.propose(dparams, dstate, verdict.bonus_B, k_draft, params)
     step_col = jnp.minimum(s.step, max_new_tokens - 1)
-    return _SpecState(
-        cache=cache, root_B=verdict.bonus_B, out_BxN=out_BxN, num_new_B=num_new_B, done_B=done_B,
-        step=s.step + 1, key=key, dstate=dstate, draft=next_draft,
+    return s.replace(
+        root_B=verdict.bonus_B, out_BxN=out_BxN, num_new_B=num_new_B, done_B=done_B,
+        step=s.step + 1, dstate=dstate, draft=next_draft,
         accepted_BxS=s.accepted_BxS.at[:, step_col].set(
             jnp.where(active_B, verdict.num_accepted_B, -1)),
         depth_BxS=s.depth_BxS.at[:, step_col].set(jnp.where(active_B, depth_B, 0)),
@@ -218,13 +245,16 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_
     return jnp.sum(rungs_R < need)
 
   def body(s):
-    # One inner loop per width, each running while the current draft needs exactly that width
-    # (inner loops rather than a lax.switch per step, which would copy the cache). The loop of
-    # the width needed on entry runs at least once, so every pass makes progress.
+    # One step: the target pass of the width the draft needs, then the shared tail. Each width's
+    # pass sits in its own while_loop that runs once or not at all (rather than a lax.switch,
+    # which would copy the cache); the tail (bookkeeping, drafter update and propose) is
+    # compiled once, not once per width.
+    key, k_draft, k_verify = jax.random.split(s.key, 3)
+    s = s.replace(key=key, pass_=s.pass_.replace(done=jnp.bool_(False), key=k_verify))
     for r, width in enumerate(rungs):
-      s = jax.lax.while_loop(lambda s, r=r: cond(s) & (rung(s) == r),
-                             lambda s, width=width: step(s, width), s)
-    return s
+      s = jax.lax.while_loop(lambda s, r=r: ~s.pass_.done & (rung(s) == r),
+                             lambda s, width=width: verify_width(s, width), s)
+    return tail(s, k_draft)
 
   s = jax.lax.while_loop(cond, body, s)
   return s.out_BxN, s.num_new_B, s.accepted_BxS, s.depth_BxS, s.path_BxSxD
