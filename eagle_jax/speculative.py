@@ -79,7 +79,6 @@ def acceptance_rates(accepted, drafted, max_n=None) -> list[float]:
 class _Pass:
   """This step's target pass (``done`` once a width ran it), for the step's shared tail."""
   done: jax.Array
-  key: jax.Array  # the pass's sampling key
   verdict: Verdict
   emitted_BxK: jax.Array
   features_BxKxF: jax.Array
@@ -181,7 +180,7 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_
       accepted_BxS=jnp.full((b, max_new_tokens), -1, jnp.int32),
       depth_BxS=jnp.zeros((b, max_new_tokens), jnp.int32),
       path_BxSxD=jnp.zeros((b, max_new_tokens, d), jnp.int32),
-      pass_=_Pass(done=jnp.bool_(False), key=key,
+      pass_=_Pass(done=jnp.bool_(False),
                   verdict=Verdict(path_BxD=jnp.zeros((b, d), jnp.int32),
                                   num_accepted_B=jnp.zeros((b,), jnp.int32),
                                   bonus_B=jnp.zeros((b,), jnp.int32)),
@@ -189,16 +188,16 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_
                   features_BxKxF=jnp.zeros((b, d + 1, feats_BxPxF.shape[-1]), feats_BxPxF.dtype),
                   depth_B=jnp.zeros((b,), jnp.int32)))
 
-  def verify_width(s: _SpecState, width: int) -> _SpecState:
+  def verify_width(s: _SpecState, width: int, key) -> _SpecState:
     """The target pass over the first ``width`` nodes of ``s.draft`` (0: a plain decode step),
     its verdict parked in ``s.pass_`` for the step's shared tail."""
     active_B = ~s.done_B
     draft = jax.tree.map(lambda x: x[:, :width], s.draft)
     cache, verdict, emitted_BxK, feats, depth_B = _target_pass(
-        model, s.cache, s.root_B, draft, s.pass_.key, params, d, layers)
+        model, s.cache, s.root_B, draft, key, params, d, layers)
     cache = cache.replace(lengths_B=jnp.where(active_B, cache.lengths_B, s.cache.lengths_B))
     return s.replace(cache=cache, pass_=_Pass(
-        done=jnp.bool_(True), key=s.pass_.key, verdict=verdict, emitted_BxK=emitted_BxK,
+        done=jnp.bool_(True), verdict=verdict, emitted_BxK=emitted_BxK,
         features_BxKxF=feats.astype(s.pass_.features_BxKxF.dtype), depth_B=depth_B))
 
   def tail(s: _SpecState, k_draft) -> _SpecState:
@@ -250,10 +249,10 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_
     # which would copy the cache); the tail (bookkeeping, drafter update and propose) is
     # compiled once, not once per width.
     key, k_draft, k_verify = jax.random.split(s.key, 3)
-    s = s.replace(key=key, pass_=s.pass_.replace(done=jnp.bool_(False), key=k_verify))
+    s = s.replace(key=key, pass_=s.pass_.replace(done=jnp.bool_(False)))
     for r, width in enumerate(rungs):
       s = jax.lax.while_loop(lambda s, r=r: ~s.pass_.done & (rung(s) == r),
-                             lambda s, width=width: verify_width(s, width), s)
+                             lambda s, width=width: verify_width(s, width, k_verify), s)
     return tail(s, k_draft)
 
   s = jax.lax.while_loop(cond, body, s)
