@@ -15,9 +15,9 @@ first input norm skipped) and reads tokens off it with an LM head:
 The target's embedding and LM head are never copied into the head: they arrive as
 :class:`Frozen` arrays at call time (for a tied model both are the same array).
 
-Attention: the head has one layer of K/V. Callers give ``bias_BxTxS`` (0 = visible) and the
-slots the new K/V go to, so the same code serves causal training, training-time-test
-unrolling and tree drafting.
+Attention: the head has one layer of K/V. Callers give ``visible_BxTxS`` (which of the S slots
+each new input sees once the new K/V are written) and the slots the new K/V go to, so the same
+code serves causal training, training-time-test unrolling and tree drafting.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from flax import nnx
 
 from eagle_jax.config import ModelConfig
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model import DecoderLayer, Linear, RMSNorm, Transformer, rope_tables
+from eagle_jax.model import AttnBias, DecoderLayer, Linear, RMSNorm, Transformer, empty_kv, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +147,15 @@ class EagleHead(nnx.Module):
     parts = jnp.split(f_BxTxF, len(self.fuse_norms), axis=-1)
     return self.fuse(jnp.concatenate([n(p) for n, p in zip(self.fuse_norms, parts)], axis=-1))
 
-  def __call__(self, tokens_BxT, feature_BxTxD, positions_BxT, bias_BxTxS, frozen: Frozen,
-               kv=None, slots_BxT=None):
+  def __call__(self, tokens_BxT, feature_BxTxD, positions_BxT, visible_BxTxS, frozen: Frozen,
+               kv, slots_BxT):
     """One head step over T inputs; returns ``(output_BxTxD, new (k, v))``."""
     if self.hidden_norm is not None:
       feature_BxTxD = self.hidden_norm(feature_BxTxD)
     e_BxTxD = jnp.take(frozen.embed_VxD, tokens_BxT, axis=0).astype(feature_BxTxD.dtype)
     x_BxTxD = self.fc(jnp.concatenate([e_BxTxD, feature_BxTxD], axis=-1))
     cos, sin = rope_tables(self.config.target, positions_BxT, x_BxTxD.dtype)
-    return self.layer(x_BxTxD, cos, sin, bias_BxTxS, kv, slots_BxT)
+    return self.layer(x_BxTxD, cos, sin, AttnBias.from_slots(visible_BxTxS, slots_BxT), kv, slots_BxT)
 
   def logits(self, out_BxTxD: jax.Array, frozen: Frozen) -> jax.Array:
     """Draft logits over the draft vocabulary (fp32): EAGLE-3's own, else the target head's
@@ -171,10 +171,5 @@ class EagleHead(nnx.Module):
     return draft_ids if frozen.d2t_K is None else frozen.d2t_K[draft_ids]
 
   def init_kv(self, batch: int, slots: int, dtype=jnp.float32):
-    t = self.config.target
-    z = jnp.zeros((batch, slots, t.num_kv_heads, t.head_dim), dtype)
-    return (z, z)
+    return empty_kv(self.config.target, batch, slots, dtype)
 
-
-def bias_from_mask(mask):
-  return jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)

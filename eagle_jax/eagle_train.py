@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen, bias_from_mask
+from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.features import segment_mask
 
@@ -101,7 +101,7 @@ def unroll(head: EagleHead, frozen: Frozen, tokens, feat_BxTxD, pos, seg, steps:
   for j in range(steps):
     mask = jnp.concatenate([seg0] + [eye] * j + [hidden_steps] * (steps - 1 - j), 2)
     slots = jnp.broadcast_to(j * t + jnp.arange(t), (b, t))
-    x, kv = head(_shift(tokens, 1 + j), x, pos + j, bias_from_mask(mask), frozen, kv, slots)
+    x, kv = head(_shift(tokens, 1 + j), x, pos + j, mask, frozen, kv, slots)
     outs.append(x)
   return outs
 

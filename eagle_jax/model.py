@@ -27,9 +27,16 @@ from flax import nnx
 from eagle_jax.config import ModelConfig
 
 
+def empty_kv(config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """Zero keys and values of one layer, ``[B, K, S, Dh]`` each (the cache layout)."""
+  z = jnp.zeros((batch, config.num_kv_heads, slots, config.head_dim), dtype)
+  return z, z
+
+
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys/values ``[B, S, K, Dh]`` and the committed length of each row."""
+  """Per-layer keys/values ``[B, K, S, Dh]`` (row, kv head, slot, head dim) and the committed
+  length of each row."""
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
@@ -37,13 +44,12 @@ class KVCache:
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    zeros = tuple(empty_kv(config, batch, max_len, dtype)[0] for _ in range(config.num_layers))
     return cls(k=zeros, v=zeros, lengths_B=jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
 
 @flax.struct.dataclass
@@ -135,29 +141,54 @@ class Attention(nnx.Module):
                        c.attention_bias, rngs, param_dtype)
     self.o = _linear(c.num_heads * c.head_dim, c.hidden_size, False, rngs, param_dtype)
 
-  def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, bias_BxTxS, kv_cache, slots_BxT):
-    """``bias_BxTxS``: 0 where query t may attend slot s, a large negative number elsewhere."""
+  def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, bias: "AttnBias", kv_cache, slots_BxT):
+    """Attends the T new tokens to the cache as it was (``bias.cache``) and to each other
+    (``bias.new``), then writes their K/V to ``slots_BxT``.
+
+    The old cache and the new K/V are read separately (one softmax over both) and the write
+    comes after the reads and depends on them, so XLA updates the cache in place. Writing first
+    and reading the written cache made it copy every layer's K/V at every decode step.
+    """
     b, t, _ = x_BxTxD.shape
     kh, g, dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
     qkv_BxTxNxDh = self.qkv(x_BxTxD).reshape(b, t, kh * g + 2 * kh, dh)
     qk_BxTxNxDh = apply_rope(qkv_BxTxNxDh[:, :, :kh * g + kh], cos_BxTxDh, sin_BxTxDh)
     q_BxTxHxDh = qk_BxTxNxDh[:, :, :kh * g] * (1.0 / math.sqrt(dh))
-    k_BxTxKxDh = qk_BxTxNxDh[:, :, kh * g:]
-    v_BxTxKxDh = qkv_BxTxNxDh[:, :, kh * g + kh:]
-    if kv_cache is not None:
-      rows_Bx1 = jnp.arange(b)[:, None]
+    k_BxKxTxDh = qk_BxTxNxDh[:, :, kh * g:].transpose(0, 2, 1, 3)
+    v_BxKxTxDh = qkv_BxTxNxDh[:, :, kh * g + kh:].transpose(0, 2, 1, 3)
+    # Products are batched over (row, kv head) with the g query heads of a group and the t
+    # queries as one matrix: XLA's CPU dot is far faster on that shape than with t or g batched.
+    q_BxKxMxDh = q_BxTxHxDh.reshape(b, t, kh, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
+
+    def scores(keys_BxKxSxDh, bias_BxTxS):
+      s_BxKxMxS = jnp.einsum("bkmd,bksd->bkms", q_BxKxMxDh, keys_BxKxSxDh.astype(q_BxKxMxDh.dtype))
+      return s_BxKxMxS.reshape(b, kh, g, t, -1).astype(jnp.float32) + bias_BxTxS[:, None, None]
+
+    parts = [scores(k_BxKxTxDh, bias.new_BxTxT)]
+    values = [v_BxKxTxDh]
+    new_kv = None
+    if kv_cache is not None:  # layout [B, K, S, Dh]: each (row, kv head) one contiguous matrix
       k_cache, v_cache = kv_cache
-      k_BxSxKxDh = k_cache.at[rows_Bx1, slots_BxT].set(k_BxTxKxDh.astype(k_cache.dtype), mode="drop")
-      v_BxSxKxDh = v_cache.at[rows_Bx1, slots_BxT].set(v_BxTxKxDh.astype(v_cache.dtype), mode="drop")
-      new_kv = (k_BxSxKxDh, v_BxSxKxDh)
-    else:
-      k_BxSxKxDh, v_BxSxKxDh, new_kv = k_BxTxKxDh, v_BxTxKxDh, None
-    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, kh, g, dh)
-    scores_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh,
-                                  k_BxSxKxDh.astype(q_BxTxKxGxDh.dtype))
-    scores_BxKxGxTxS = scores_BxKxGxTxS.astype(jnp.float32) + bias_BxTxS[:, None, None]
-    probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(x_BxTxD.dtype)
-    out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh.astype(probs.dtype))
+      parts.insert(0, scores(k_cache, bias.cache_BxTxS))
+      values.insert(0, v_cache)
+    probs = jax.nn.softmax(jnp.concatenate(parts, -1), axis=-1).astype(x_BxTxD.dtype)
+    probs_BxKxMxS = probs.reshape(b, kh, g * t, -1)
+    out_BxKxMxDh, start = 0.0, 0
+    for v_BxKxSxDh in values:
+      n = v_BxKxSxDh.shape[2]
+      out_BxKxMxDh = out_BxKxMxDh + jnp.einsum(
+          "bkms,bksd->bkmd", probs_BxKxMxS[..., start:start + n], v_BxKxSxDh.astype(probs.dtype))
+      start += n
+    if kv_cache is not None:
+      # Zero, but computed from the attention output: the write then depends on the reads of
+      # the old cache, so XLA orders them first and updates the cache in place (without the
+      # dependency it copies every layer's K/V each step to be safe).
+      after_reads_Bx1 = jnp.minimum(jnp.isnan(out_BxKxMxDh[:, :1, 0, 0]), False).astype(slots_BxT.dtype)
+      slots_BxT = slots_BxT + after_reads_Bx1
+      rows_Bx1 = jnp.arange(b)[:, None]
+      new_kv = tuple(c.at[rows_Bx1, :, slots_BxT].set(x.transpose(0, 2, 1, 3).astype(c.dtype), mode="drop")
+                     for c, x in ((k_cache, k_BxKxTxDh), (v_cache, v_BxKxTxDh)))
+    out_BxTxKxGxDh = out_BxKxMxDh.reshape(b, kh, g, t, dh).transpose(0, 3, 1, 2, 4)
     return self.o(out_BxTxKxGxDh.reshape(b, t, kh * g * dh)), new_kv
 
 
@@ -185,9 +216,9 @@ class DecoderLayer(nnx.Module):
     self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
     self.mlp = MLP(config, rngs=rngs, param_dtype=param_dtype)
 
-  def __call__(self, x_BxTxD, cos, sin, bias_BxTxS, kv_cache=None, slots_BxT=None):
+  def __call__(self, x_BxTxD, cos, sin, bias: "AttnBias", kv_cache=None, slots_BxT=None):
     h = x_BxTxD if self.input_norm is None else self.input_norm(x_BxTxD)
-    attn_out, new_kv = self.attn(h, cos, sin, bias_BxTxS, kv_cache, slots_BxT)
+    attn_out, new_kv = self.attn(h, cos, sin, bias, kv_cache, slots_BxT)
     x_BxTxD = x_BxTxD + attn_out
     return x_BxTxD + self.mlp(self.post_norm(x_BxTxD)), new_kv
 
@@ -198,16 +229,30 @@ def rope_tables(config: ModelConfig, positions_BxT: jax.Array, dtype):
   return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def attention_mask(cache: KVCache | None, mask_BxTxT: jax.Array) -> jax.Array:
-  """``[B, T, S]`` visibility: committed slots, plus new slots allowed by ``mask_BxTxT``."""
-  if cache is None:
-    return mask_BxTxT
-  b, t, _ = mask_BxTxT.shape
-  rel_BxS = jnp.arange(cache.max_len)[None, :] - cache.lengths_B[:, None]
-  is_new_BxS = (rel_BxS >= 0) & (rel_BxS < t)
-  idx_BxTxS = jnp.broadcast_to(jnp.clip(rel_BxS, 0, t - 1)[:, None, :], (b, t, cache.max_len))
-  new_ok_BxTxS = jnp.take_along_axis(mask_BxTxT, idx_BxTxS, axis=2) & is_new_BxS[:, None, :]
-  return (rel_BxS < 0)[:, None, :] | new_ok_BxTxS
+def bias_from_mask(mask):
+  """Additive attention bias: 0 where ``mask`` is True, a large negative number elsewhere."""
+  return jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)
+
+
+@flax.struct.dataclass
+class AttnBias:
+  """What T new tokens may attend to, as additive biases (:func:`bias_from_mask`): the cache's
+  S slots as they were before this call (``[B, T or 1, S]``, ``None`` without a cache) and
+  the new tokens themselves (``[B, T, T]``)."""
+
+  cache_BxTxS: jax.Array | None
+  new_BxTxT: jax.Array
+
+  @classmethod
+  def from_slots(cls, visible_BxTxS: jax.Array, slots_BxT: jax.Array) -> "AttnBias":
+    """Splits visibility over all S slots, counted after the new tokens are written to
+    ``slots_BxT``, into what they see of the old cache and of each other."""
+    b, t, s = visible_BxTxS.shape
+    written_BxS = jnp.any(slots_BxT[:, :, None] == jnp.arange(s)[None, None, :], axis=1)
+    idx_BxTxT = jnp.broadcast_to(jnp.clip(slots_BxT, 0, s - 1)[:, None, :], (b, t, t))
+    new_BxTxT = jnp.take_along_axis(visible_BxTxS, idx_BxTxT, axis=2) & (slots_BxT < s)[:, None, :]
+    return cls(cache_BxTxS=bias_from_mask(visible_BxTxS & ~written_BxS[:, None, :]),
+               new_BxTxT=bias_from_mask(new_BxTxT))
 
 
 class Transformer(nnx.Module):
@@ -238,13 +283,16 @@ class Transformer(nnx.Module):
     cos, sin = rope_tables(self.config, positions_BxT, x_BxTxD.dtype)
     if mask_BxTxT is None:
       mask_BxTxT = jnp.broadcast_to(causal_mask(t), (b, t, t))
-    bias_BxTxS = jnp.where(attention_mask(cache, mask_BxTxT), 0.0, jnp.finfo(jnp.float32).min)
+    committed_Bx1xS = None if cache is None else (
+        jnp.arange(cache.max_len)[None, None, :] < cache.lengths_B[:, None, None])
+    bias = AttnBias(cache_BxTxS=None if cache is None else bias_from_mask(committed_Bx1xS),
+                    new_BxTxT=bias_from_mask(mask_BxTxT))
     slots_BxT = None if cache is None else cache.lengths_B[:, None] + jnp.arange(t)[None, :]
     hiddens = [x_BxTxD]
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x_BxTxD, new_kv = layer(x_BxTxD, cos, sin, bias_BxTxS, kv, slots_BxT)
+      x_BxTxD, new_kv = layer(x_BxTxD, cos, sin, bias, kv, slots_BxT)
       if new_kv is not None:
         new_k.append(new_kv[0])
         new_v.append(new_kv[1])

@@ -103,6 +103,6 @@ def commit(cache: KVCache, verdict: Verdict) -> KVCache:
   keep_BxD = jnp.arange(d)[None, :] < verdict.num_accepted_B[:, None]
   dst_BxD = jnp.where(keep_BxD, start_Bx1 + 1 + jnp.arange(d)[None, :], cache.max_len)
   rows = jnp.arange(b)[:, None]
-  move = lambda x: x.at[rows, dst_BxD].set(x[rows, src_BxD], mode="drop")
+  move = lambda x: x.at[rows, :, dst_BxD].set(x[rows, :, src_BxD], mode="drop")  # [B, K, S, Dh]
   return KVCache(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v),
                  lengths_B=cache.lengths_B + 1 + verdict.num_accepted_B)

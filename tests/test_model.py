@@ -25,7 +25,7 @@ def test_real_size_shapes_with_eval_shape():
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert n == cfg.num_params == 134_515_008
   cache = jax.eval_shape(lambda: KVCache.init(cfg, 2, 256))
-  assert cache.k[0].shape == (2, 256, 3, 64) and len(cache.k) == 30
+  assert cache.k[0].shape == (2, 3, 256, 64) and len(cache.k) == 30
 
 
 @pytest.mark.parametrize("overrides", [

@@ -29,14 +29,14 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.drafters.base import Accepted, Draft
-from eagle_jax.eagle_head import EagleHead, Frozen, bias_from_mask
+from eagle_jax.eagle_head import EagleHead, Frozen
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.tree import TreeSpec
 
 
 @flax.struct.dataclass
 class EagleState:
-  kv: tuple[jax.Array, jax.Array]  # [B, S, K, Dh] each
+  kv: tuple[jax.Array, jax.Array]  # [B, K, S, Dh] each
   lengths_B: jax.Array  # committed entries
   frontier_BxD: jax.Array
 
@@ -120,18 +120,18 @@ class EagleDrafter:
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     mask = jnp.arange(num_slots)[None, None, :] <= jnp.arange(p)[None, :, None]
     out, kv = head(tokens, head.fuse_features(features_BxPxF), pos,
-                   bias_from_mask(jnp.broadcast_to(mask, (b, p, num_slots))), frozen, kv, pos)
+                   jnp.broadcast_to(mask, (b, p, num_slots)), frozen, kv, pos)
     frontier = out[rows, lengths_B - 1]
     return EagleState(kv=kv, lengths_B=lengths_B.astype(jnp.int32), frontier_BxD=frontier)
 
   def update(self, dparams, state: EagleState, accepted: Accepted):
     head, frozen = nnx.merge(self.graphdef, dparams[0]), dparams[1]
     b, k = accepted.tokens_BxK.shape
-    num_slots = state.kv[0].shape[1]
+    num_slots = state.kv[0].shape[2]  # [B, K, S, Dh]
     pos = state.lengths_B[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     mask = jnp.arange(num_slots)[None, None, :] <= pos[:, :, None]
     out, kv = head(accepted.tokens_BxK, head.fuse_features(accepted.features_BxKxD), pos,
-                   bias_from_mask(mask), frozen, state.kv, pos)
+                   mask, frozen, state.kv, pos)
     count = accepted.count_B
     last = out[jnp.arange(b), jnp.maximum(count - 1, 0)]
     return EagleState(kv=kv, lengths_B=state.lengths_B + count,
@@ -148,10 +148,10 @@ class EagleDrafter:
   def _step(self, head, frozen, state, kv, tokens_BxT, feats_BxTxD, depth, scratch_slots_BxT,
             scratch_vis_BxTxE):
     """Runs tree nodes at ``depth`` through the head; returns outputs, logits, new kv."""
-    num_slots = kv[0].shape[1]
+    num_slots = kv[0].shape[2]  # [B, K, S, Dh]
     pos = state.lengths_B[:, None] - 1 + depth + jnp.zeros_like(tokens_BxT)
-    bias = bias_from_mask(_visibility(state.lengths_B, scratch_vis_BxTxE, num_slots))
-    out, kv = head(tokens_BxT, feats_BxTxD, pos, bias, frozen, kv,
+    vis = _visibility(state.lengths_B, scratch_vis_BxTxE, num_slots)
+    out, kv = head(tokens_BxT, feats_BxTxD, pos, vis, frozen, kv,
                    state.lengths_B[:, None] + scratch_slots_BxT)
     return out, head.logits(out, frozen), kv
 
