@@ -172,4 +172,3 @@ class EagleHead(nnx.Module):
 
   def init_kv(self, batch: int, slots: int, dtype=jnp.float32):
     return empty_kv(self.config.target, batch, slots, dtype)
-

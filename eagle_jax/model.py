@@ -164,22 +164,20 @@ class Attention(nnx.Module):
       s_BxKxMxS = jnp.einsum("bkmd,bksd->bkms", q_BxKxMxDh, keys_BxKxSxDh.astype(q_BxKxMxDh.dtype))
       return s_BxKxMxS.reshape(b, kh, g, t, -1).astype(jnp.float32) + bias_BxTxS[:, None, None]
 
-    parts = [scores(k_BxKxTxDh, bias.new_BxTxT)]
-    values = [v_BxKxTxDh]
-    new_kv = None
-    if kv_cache is not None:  # layout [B, K, S, Dh]: each (row, kv head) one contiguous matrix
+    def mix(probs_BxKxGxTxS, values_BxKxSxDh):
+      p_BxKxMxS = probs_BxKxGxTxS.reshape(b, kh, g * t, -1)
+      return jnp.einsum("bkms,bksd->bkmd", p_BxKxMxS, values_BxKxSxDh.astype(p_BxKxMxS.dtype))
+
+    scores_new = scores(k_BxKxTxDh, bias.new_BxTxT)
+    if kv_cache is None:
+      probs = jax.nn.softmax(scores_new, axis=-1).astype(x_BxTxD.dtype)
+      out_BxKxMxDh, new_kv = mix(probs, v_BxKxTxDh), None
+    else:  # layout [B, K, S, Dh]: each (row, kv head) one contiguous matrix
       k_cache, v_cache = kv_cache
-      parts.insert(0, scores(k_cache, bias.cache_BxTxS))
-      values.insert(0, v_cache)
-    probs = jax.nn.softmax(jnp.concatenate(parts, -1), axis=-1).astype(x_BxTxD.dtype)
-    probs_BxKxMxS = probs.reshape(b, kh, g * t, -1)
-    out_BxKxMxDh, start = 0.0, 0
-    for v_BxKxSxDh in values:
-      n = v_BxKxSxDh.shape[2]
-      out_BxKxMxDh = out_BxKxMxDh + jnp.einsum(
-          "bkms,bksd->bkmd", probs_BxKxMxS[..., start:start + n], v_BxKxSxDh.astype(probs.dtype))
-      start += n
-    if kv_cache is not None:
+      s = k_cache.shape[2]
+      probs = jax.nn.softmax(jnp.concatenate([scores(k_cache, bias.cache_BxTxS), scores_new], -1),
+                             axis=-1).astype(x_BxTxD.dtype)
+      out_BxKxMxDh = mix(probs[..., :s], v_cache) + mix(probs[..., s:], v_BxKxTxDh)
       # Zero, but computed from the attention output: the write then depends on the reads of
       # the old cache, so XLA orders them first and updates the cache in place (without the
       # dependency it copies every layer's K/V each step to be safe).
