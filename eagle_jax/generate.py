@@ -71,7 +71,9 @@ PREFILL_CHUNK = 128  # prompts wider than this are prefilled in chunks of it (a 
 
 
 def prefill(model: Transformer, tokens_BxP, lengths_B, cache: KVCache, return_layers=()):
-  """Runs the prompts through the model; returns (output, logits at each row's last token).
+  """Runs the prompts through the model into ``cache``, which must be fresh (positions start at
+  0); returns (output, logits at each row's last token). A single pass does not read the
+  cache's empty slots (``fresh_cache``), so its attention costs T x T, not T x (S + T).
 
   A prompt wider than ``PREFILL_CHUNK`` runs chunk by chunk in a ``lax.while_loop`` that stops
   after the chunk holding the longest row's last token, so its cost follows the real prompt
@@ -84,7 +86,7 @@ def prefill(model: Transformer, tokens_BxP, lengths_B, cache: KVCache, return_la
   if p <= PREFILL_CHUNK:
     positions_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     out = model(tokens_BxP, positions_BxP, cache, num_valid_B=lengths_B,
-                return_layers=return_layers, with_logits=False)
+                return_layers=return_layers, with_logits=False, fresh_cache=True)
   else:
     out = _chunked_prefill(model, tokens_BxP, lengths_B, cache, return_layers)
   last_hidden_BxD = jnp.take_along_axis(out.hidden_BxTxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]

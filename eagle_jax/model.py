@@ -169,15 +169,17 @@ class Attention(nnx.Module):
       return jnp.einsum("bkms,bksd->bkmd", p_BxKxMxS, values_BxKxSxDh.astype(p_BxKxMxS.dtype))
 
     scores_new = scores(k_BxKxTxDh, bias.new_BxTxT)
-    if kv_cache is None:
+    if kv_cache is None or bias.cache_BxTxS is None:  # no cache, or nothing in it to read
       probs = jax.nn.softmax(scores_new, axis=-1).astype(x_BxTxD.dtype)
-      out_BxKxMxDh, new_kv = mix(probs, v_BxKxTxDh), None
+      out_BxKxMxDh = mix(probs, v_BxKxTxDh)
     else:  # layout [B, K, S, Dh]: each (row, kv head) one contiguous matrix
       k_cache, v_cache = kv_cache
       s = k_cache.shape[2]
       probs = jax.nn.softmax(jnp.concatenate([scores(k_cache, bias.cache_BxTxS), scores_new], -1),
                              axis=-1).astype(x_BxTxD.dtype)
       out_BxKxMxDh = mix(probs[..., :s], v_cache) + mix(probs[..., s:], v_BxKxTxDh)
+    new_kv = None
+    if kv_cache is not None:
       # Zero, but computed from the attention output: the write then depends on the reads of
       # the old cache, so XLA orders them first and updates the cache in place (without the
       # dependency it copies every layer's K/V each step to be safe).
@@ -185,7 +187,7 @@ class Attention(nnx.Module):
       slots_BxT = slots_BxT + after_reads_Bx1
       rows_Bx1 = jnp.arange(b)[:, None]
       new_kv = tuple(c.at[rows_Bx1, :, slots_BxT].set(x.transpose(0, 2, 1, 3).astype(c.dtype), mode="drop")
-                     for c, x in ((k_cache, k_BxKxTxDh), (v_cache, v_BxKxTxDh)))
+                     for c, x in zip(kv_cache, (k_BxKxTxDh, v_BxKxTxDh)))
     out_BxTxKxGxDh = out_BxKxMxDh.reshape(b, kh, g, t, dh).transpose(0, 3, 1, 2, 4)
     return self.o(out_BxTxKxGxDh.reshape(b, t, kh * g * dh)), new_kv
 
@@ -235,8 +237,9 @@ def bias_from_mask(mask):
 @flax.struct.dataclass
 class AttnBias:
   """What T new tokens may attend to, as additive biases (:func:`bias_from_mask`): the cache's
-  S slots as they were before this call (``[B, T or 1, S]``, ``None`` without a cache) and
-  the new tokens themselves (``[B, T, T]``)."""
+  S slots as they were before this call (``[B, T or 1, S]``; ``None`` without a cache, or when
+  nothing in it is visible, e.g. a prompt pass into a fresh cache: attention then skips
+  reading it) and the new tokens themselves (``[B, T, T]``)."""
 
   cache_BxTxS: jax.Array | None
   new_BxTxT: jax.Array
@@ -275,7 +278,9 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                cache: KVCache | None = None, mask_BxTxT: jax.Array | None = None,
                num_valid_B: jax.Array | None = None, return_layers: Sequence[int] = (),
-               with_logits: bool = True) -> Output:
+               with_logits: bool = True, fresh_cache: bool = False) -> Output:
+    """``fresh_cache``: ``cache`` holds nothing yet (a prompt pass), so attention reads only the
+    new tokens' K/V and skips the S empty slots; they are still written to the cache."""
     b, t = tokens_BxT.shape
     x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0)
     cos, sin = rope_tables(self.config, positions_BxT, x_BxTxD.dtype)
@@ -283,7 +288,7 @@ class Transformer(nnx.Module):
       mask_BxTxT = jnp.broadcast_to(causal_mask(t), (b, t, t))
     committed_Bx1xS = None if cache is None else (
         jnp.arange(cache.max_len)[None, None, :] < cache.lengths_B[:, None, None])
-    bias = AttnBias(cache_BxTxS=None if cache is None else bias_from_mask(committed_Bx1xS),
+    bias = AttnBias(cache_BxTxS=None if cache is None or fresh_cache else bias_from_mask(committed_Bx1xS),
                     new_BxTxT=bias_from_mask(mask_BxTxT))
     slots_BxT = None if cache is None else cache.lengths_B[:, None] + jnp.arange(t)[None, :]
     hiddens = [x_BxTxD]

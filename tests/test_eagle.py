@@ -6,14 +6,12 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from chi2 import assert_sampling_matches_vanilla
-from eagle_jax.config import tiny_config
+from chi2 import assert_sampling_matches_vanilla, sampling_target
 from eagle_jax.drafters.eagle import EagleDrafter
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen
 from eagle_jax.eagle_train import unroll
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.generate import generate
-from eagle_jax.model import Transformer
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import features_of, speculative_generate
 from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
@@ -102,13 +100,12 @@ def test_sampling_is_lossless(version, tree, reduced):
   """Sampled continuations (tokens 2-3): EAGLE speculative vs vanilla, two-sample chi-square;
   ``reduced``: the EAGLE-1 head drafts over 6 of the 12 target ids (a draft that can never
   propose half the vocabulary must still leave the output distribution exact)."""
-  vocab = 12
-  target = Transformer(tiny_config(vocab_size=vocab), rngs=nnx.Rngs(0))
+  target = sampling_target()
   head = make_head(target.config, version, seed=4, draft_vocab=8 if version == 3 else 0)
   spec, kw = TREES[tree]
   drafter, dparams = EagleDrafter.create(head, target, spec, draft_ids=[0, 2, 3, 5, 8, 11] if reduced
                                          else None, **kw)
-  assert_sampling_matches_vanilla(target, drafter, dparams, vocab)
+  assert_sampling_matches_vanilla(drafter, dparams)
 
 
 @pytest.mark.parametrize("tree", ["static25", "dynamic"])

@@ -7,15 +7,13 @@ import pytest
 from flax import nnx
 
 import tiny_training
-from chi2 import assert_sampling_matches_vanilla
-from eagle_jax.config import tiny_config
+from chi2 import assert_sampling_matches_vanilla, sampling_target
 from eagle_jax.drafters.medusa import MedusaDrafter
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.features import FeatureShards
 from eagle_jax.generate import generate
 from eagle_jax.medusa import (MedusaConfig, MedusaHeads, MedusaTask, best_tree, expected_tau,
                               rank_accuracies, tune_tree)
-from eagle_jax.model import Transformer
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import speculative_generate
 from eagle_jax.train import LoopConfig, OptimConfig, train
@@ -74,11 +72,10 @@ def test_tree_deeper_than_heads_is_refused(tiny):
 
 def test_sampling_is_lossless():
   """Sampled continuations (tokens 2-3): Medusa speculative vs vanilla, two-sample chi-square."""
-  vocab = 12
-  target = Transformer(tiny_config(vocab_size=vocab), rngs=nnx.Rngs(0))
+  target = sampling_target()
   tree = TreeSpec.from_choices(best_tree(np.full((3, 4), 0.2), 12)[0])
   drafter, dparams = MedusaDrafter.create(make_heads(target, seed=4, num_heads=3), tree, target)
-  assert_sampling_matches_vanilla(target, drafter, dparams, vocab)
+  assert_sampling_matches_vanilla(drafter, dparams)
 
 
 def test_best_tree_is_ancestor_closed_and_optimal():
