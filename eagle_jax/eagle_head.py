@@ -148,14 +148,19 @@ class EagleHead(nnx.Module):
     return self.fuse(jnp.concatenate([n(p) for n, p in zip(self.fuse_norms, parts)], axis=-1))
 
   def __call__(self, tokens_BxT, feature_BxTxD, positions_BxT, visible_BxTxS, frozen: Frozen,
-               kv, slots_BxT):
-    """One head step over T inputs; returns ``(output_BxTxD, new (k, v))``."""
+               kv, slots_BxT, fresh_cache: bool = False):
+    """One head step over T inputs; returns ``(output_BxTxD, new (k, v))``. ``fresh_cache``:
+    ``kv`` holds nothing yet (the prompt pass), so attention skips reading it, as the target's
+    prompt pass does."""
     if self.hidden_norm is not None:
       feature_BxTxD = self.hidden_norm(feature_BxTxD)
     e_BxTxD = jnp.take(frozen.embed_VxD, tokens_BxT, axis=0).astype(feature_BxTxD.dtype)
     x_BxTxD = self.fc(jnp.concatenate([e_BxTxD, feature_BxTxD], axis=-1))
     cos, sin = rope_tables(self.config.target, positions_BxT, x_BxTxD.dtype)
-    return self.layer(x_BxTxD, cos, sin, AttnBias.from_slots(visible_BxTxS, slots_BxT), kv, slots_BxT)
+    bias = AttnBias.from_slots(visible_BxTxS, slots_BxT)
+    if fresh_cache:
+      bias = bias.replace(cache_BxTxS=None)
+    return self.layer(x_BxTxD, cos, sin, bias, kv, slots_BxT)
 
   def logits(self, out_BxTxD: jax.Array, frozen: Frozen) -> jax.Array:
     """Draft logits over the draft vocabulary (fp32): EAGLE-3's own, else the target head's

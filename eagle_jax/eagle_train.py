@@ -101,7 +101,7 @@ def unroll(head: EagleHead, frozen: Frozen, tokens, feat_BxTxD, pos, seg, steps:
   for j in range(steps):
     mask = jnp.concatenate([seg0] + [eye] * j + [hidden_steps] * (steps - 1 - j), 2)
     slots = jnp.broadcast_to(j * t + jnp.arange(t), (b, t))
-    x, kv = head(_shift(tokens, 1 + j), x, pos + j, mask, frozen, kv, slots)
+    x, kv = head(_shift(tokens, 1 + j), x, pos + j, mask, frozen, kv, slots, fresh_cache=j == 0)
     outs.append(x)
   return outs
 

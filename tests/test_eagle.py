@@ -71,6 +71,27 @@ def test_chain_drafting_equals_training_unroll(tiny, version):
   np.testing.assert_allclose(state.frontier_BxD, outs[0][:, length - 1], atol=1e-5)
 
 
+def test_head_prompt_pass_with_fresh_cache_equals_reading_it(tiny):
+  """The drafter's prompt pass skips reading its empty cache: same outputs and written K/V."""
+  target = tiny()
+  for version in (1, 3):
+    head = make_head(target.config, version, draft_vocab=64 if version == 3 else 0)
+    drafter, dparams = EagleDrafter.create(head, target, TreeSpec.chain(3))
+    frozen = dparams[1]
+    b, p, slots = 2, 6, 16
+    tokens = jax.random.randint(jax.random.key(1), (b, p), 0, 128)
+    width = target.config.hidden_size * max(len(drafter.feature_layers), 1)
+    feats = jax.random.normal(jax.random.key(2), (b, p, width))
+    pos = jnp.broadcast_to(jnp.arange(p), (b, p))
+    mask = jnp.broadcast_to(jnp.arange(slots)[None, None, :] <= jnp.arange(p)[None, :, None], (b, p, slots))
+    run = lambda fresh: head(tokens, head.fuse_features(feats), pos, mask, frozen,
+                             head.init_kv(b, slots), pos, fresh_cache=fresh)
+    (out_f, kv_f), (out_r, kv_r) = run(True), run(False)
+    np.testing.assert_allclose(out_f, out_r, atol=1e-5)
+    for a, c in zip(jax.tree.leaves(kv_f), jax.tree.leaves(kv_r)):
+      np.testing.assert_allclose(a, c, atol=1e-6)
+
+
 def test_dynamic_tree_is_ancestor_closed_and_best_first(tiny):
   target = tiny()
   head = make_head(target.config, 1, seed=3)

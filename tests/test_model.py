@@ -50,6 +50,24 @@ def test_cache_matches_no_cache(tiny, overrides):
   assert cache.lengths_B.tolist() == [t, t]
 
 
+def test_fresh_cache_prompt_pass_equals_reading_the_empty_cache(tiny):
+  """``fresh_cache`` skips attending to the empty cache; logits, written K/V and lengths are
+  those of the pass that reads it (every slot masked), and decoding goes on identically."""
+  model = tiny()
+  b, t = 2, 7
+  toks = _tokens(b, t)
+  cache = KVCache.init(model.config, b, 16)
+  valid = jnp.array([7, 4])
+  read = model(toks, _positions(b, t), cache, num_valid_B=valid)
+  fresh = model(toks, _positions(b, t), cache, num_valid_B=valid, fresh_cache=True)
+  np.testing.assert_allclose(fresh.logits_BxTxV, read.logits_BxTxV, atol=1e-6)
+  for a, c in zip(jax.tree.leaves(fresh.cache), jax.tree.leaves(read.cache)):
+    np.testing.assert_allclose(a, c, atol=1e-6)
+  nxt = jnp.array([[3], [9]])
+  step = lambda c: model(nxt, c.lengths_B[:, None], c).logits_BxTxV
+  np.testing.assert_allclose(step(fresh.cache), step(read.cache), atol=1e-6)
+
+
 def test_tree_mask_equals_separate_branches(tiny):
   """A tree fed in one pass (ancestor mask, depth positions) == each branch run alone."""
   model = tiny()

@@ -120,7 +120,7 @@ class EagleDrafter:
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     mask = jnp.arange(num_slots)[None, None, :] <= jnp.arange(p)[None, :, None]
     out, kv = head(tokens, head.fuse_features(features_BxPxF), pos,
-                   jnp.broadcast_to(mask, (b, p, num_slots)), frozen, kv, pos)
+                   jnp.broadcast_to(mask, (b, p, num_slots)), frozen, kv, pos, fresh_cache=True)
     frontier = out[rows, lengths_B - 1]
     return EagleState(kv=kv, lengths_B=lengths_B.astype(jnp.int32), frontier_BxD=frontier)
 
