@@ -286,10 +286,10 @@ class Transformer(nnx.Module):
     cos, sin = rope_tables(self.config, positions_BxT, x_BxTxD.dtype)
     if mask_BxTxT is None:
       mask_BxTxT = jnp.broadcast_to(causal_mask(t), (b, t, t))
-    committed_Bx1xS = None if cache is None else (
-        jnp.arange(cache.max_len)[None, None, :] < cache.lengths_B[:, None, None])
-    bias = AttnBias(cache_BxTxS=None if cache is None or fresh_cache else bias_from_mask(committed_Bx1xS),
-                    new_BxTxT=bias_from_mask(mask_BxTxT))
+    cache_bias = None
+    if cache is not None and not fresh_cache:  # the committed slots are visible
+      cache_bias = bias_from_mask(jnp.arange(cache.max_len)[None, None, :] < cache.lengths_B[:, None, None])
+    bias = AttnBias(cache_BxTxS=cache_bias, new_BxTxT=bias_from_mask(mask_BxTxT))
     slots_BxT = None if cache is None else cache.lengths_B[:, None] + jnp.arange(t)[None, :]
     hiddens = [x_BxTxD]
     new_k, new_v = [], []
