@@ -2,9 +2,15 @@
 
 ``python tests/gguf_reference.py`` rewrites ``tests/assets/smollm2_golden.npz`` from
 transformers' PyTorch model loaded straight from the GGUF file (needs torch).
+``python tests/gguf_reference.py --run REQUEST.json OUT.npz`` computes transformers' logits and
+greedy continuations for the prompts in REQUEST.json in this fresh process (what the live parity
+tests compare against, so nothing that ran earlier in a test worker can touch the reference).
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -55,5 +61,42 @@ def write_golden():
   print(f"wrote {GOLDEN} ({os.path.getsize(GOLDEN)} bytes)")
 
 
+def run_reference(request: dict) -> dict[str, np.ndarray]:
+  """Transformers' full logits (``logits_i``) for each prompt of ``request["prompts"]`` (token
+  ids), and the greedy ``max_new_tokens`` continuation (``greedy_i``) of the first
+  ``request["num_greedy"]``."""
+  import torch
+
+  hf = load_hf_gguf()
+  out = {"torch_threads": np.array(torch.get_num_threads())}
+  with torch.no_grad():
+    for i, ids in enumerate(request["prompts"]):
+      out[f"logits_{i}"] = hf(torch.tensor([ids])).logits[0].numpy()
+      if i >= request["num_greedy"]:
+        continue
+      gen = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=request["max_new_tokens"], do_sample=False,
+                        eos_token_id=request["eos_token_ids"])
+      out[f"greedy_{i}"] = gen[0, len(ids):].numpy()
+  return out
+
+
+def reference_in_subprocess(request: dict, workdir: str) -> dict[str, np.ndarray]:
+  """:func:`run_reference` in a fresh Python process."""
+  req, out = os.path.join(workdir, "request.json"), os.path.join(workdir, "reference.npz")
+  with open(req, "w") as f:
+    json.dump(request, f)
+  proc = subprocess.run([sys.executable, __file__, "--run", req, out], capture_output=True, text=True)
+  if proc.returncode:
+    raise RuntimeError(f"transformers reference failed:\n{proc.stderr[-3000:]}")
+  with np.load(out) as data:
+    return dict(data)
+
+
 if __name__ == "__main__":
-  write_golden()
+  if sys.argv[1:2] == ["--run"]:
+    with open(sys.argv[2]) as f:
+      result = run_reference(json.load(f))
+    np.savez(sys.argv[3], **result)
+  else:
+    write_golden()
