@@ -16,6 +16,7 @@ speculative verify step passes a tree's ancestor mask). ``lengths`` then advance
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -162,22 +163,23 @@ class Attention(nnx.Module):
 
     def scores(keys_BxKxSxDh, bias_BxTxS):
       s_BxKxMxS = jnp.einsum("bkmd,bksd->bkms", q_BxKxMxDh, keys_BxKxSxDh.astype(q_BxKxMxDh.dtype))
-      return s_BxKxMxS.reshape(b, kh, g, t, -1).astype(jnp.float32) + bias_BxTxS[:, None, None]
+      s_BxKxGxTxS = s_BxKxMxS.reshape(b, kh, g, t, -1).astype(jnp.float32) + bias_BxTxS[:, None, None]
+      return s_BxKxGxTxS.reshape(b, kh, g * t, -1)
 
-    def mix(probs_BxKxGxTxS, values_BxKxSxDh):
-      p_BxKxMxS = probs_BxKxGxTxS.reshape(b, kh, g * t, -1)
-      return jnp.einsum("bkms,bksd->bkmd", p_BxKxMxS, values_BxKxSxDh.astype(p_BxKxMxS.dtype))
-
-    scores_new = scores(k_BxKxTxDh, bias.new_BxTxT)
-    if kv_cache is None or bias.cache_BxTxS is None:  # no cache, or nothing in it to read
-      probs = jax.nn.softmax(scores_new, axis=-1).astype(x_BxTxD.dtype)
-      out_BxKxMxDh = mix(probs, v_BxKxTxDh)
-    else:  # layout [B, K, S, Dh]: each (row, kv head) one contiguous matrix
-      k_cache, v_cache = kv_cache
-      s = k_cache.shape[2]
-      probs = jax.nn.softmax(jnp.concatenate([scores(k_cache, bias.cache_BxTxS), scores_new], -1),
-                             axis=-1).astype(x_BxTxD.dtype)
-      out_BxKxMxDh = mix(probs[..., :s], v_cache) + mix(probs[..., s:], v_BxKxTxDh)
+    # One softmax over the parts (the old cache, the new tokens) without joining them: shared
+    # max, exponentials per part, and the mix normalised once at the end.
+    parts = [(scores(k_BxKxTxDh, bias.new_BxTxT), v_BxKxTxDh)]
+    if kv_cache is not None and bias.cache_BxTxS is not None:  # else nothing in the cache to read
+      parts.insert(0, (scores(kv_cache[0], bias.cache_BxTxS), kv_cache[1]))  # [B, K, S, Dh]
+    max_BxKxMx1 = jax.lax.stop_gradient(
+        functools.reduce(jnp.maximum, [sc.max(-1, keepdims=True) for sc, _ in parts]))
+    out_BxKxMxDh, denom_BxKxMx1 = 0.0, 0.0
+    for sc, values_BxKxSxDh in parts:
+      e_BxKxMxS = jnp.exp(sc - max_BxKxMx1)
+      denom_BxKxMx1 = denom_BxKxMx1 + e_BxKxMxS.sum(-1, keepdims=True)
+      out_BxKxMxDh = out_BxKxMxDh + jnp.einsum(
+          "bkms,bksd->bkmd", e_BxKxMxS.astype(x_BxTxD.dtype), values_BxKxSxDh.astype(x_BxTxD.dtype))
+    out_BxKxMxDh = (out_BxKxMxDh / denom_BxKxMx1).astype(x_BxTxD.dtype)
     new_kv = None
     if kv_cache is not None:
       # Zero, but computed from the attention output: the write then depends on the reads of
