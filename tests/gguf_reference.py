@@ -39,25 +39,17 @@ def golden_columns(vocab_size: int) -> np.ndarray:
 
 
 def write_golden():
-  import torch
-
   from eagle_jax.registry import load_model
 
   tok = load_model("smollm2-135m-instruct").tokenizer
-  hf = load_hf_gguf()
-  ids, logits, argmax = [], [], []
-  cols = golden_columns(hf.config.vocab_size)
-  for text in PROMPTS:
-    p = tok.chat_prompt(text)
-    with torch.no_grad():
-      out = hf(torch.tensor([p])).logits[0].numpy()
-    ids.append(np.array(p, np.int32))
-    logits.append(out[:, cols].astype(np.float32))
-    argmax.append(out.argmax(-1).astype(np.int32))
+  ids = [tok.chat_prompt(text) for text in PROMPTS]
+  ref = run_reference({"prompts": ids, "num_greedy": 0})
+  full = [ref[f"logits_{i}"] for i in range(len(ids))]
+  cols = golden_columns(full[0].shape[-1])
   np.savez_compressed(
-      GOLDEN, columns=cols, **{f"ids_{i}": x for i, x in enumerate(ids)},
-      **{f"logits_{i}": x for i, x in enumerate(logits)},
-      **{f"argmax_{i}": x for i, x in enumerate(argmax)})
+      GOLDEN, columns=cols, **{f"ids_{i}": np.array(x, np.int32) for i, x in enumerate(ids)},
+      **{f"logits_{i}": x[:, cols].astype(np.float32) for i, x in enumerate(full)},
+      **{f"argmax_{i}": x.argmax(-1).astype(np.int32) for i, x in enumerate(full)})
   print(f"wrote {GOLDEN} ({os.path.getsize(GOLDEN)} bytes)")
 
 
@@ -68,7 +60,7 @@ def run_reference(request: dict) -> dict[str, np.ndarray]:
   import torch
 
   hf = load_hf_gguf()
-  out = {"torch_threads": np.array(torch.get_num_threads())}
+  out = {}
   with torch.no_grad():
     for i, ids in enumerate(request["prompts"]):
       out[f"logits_{i}"] = hf(torch.tensor([ids])).logits[0].numpy()
