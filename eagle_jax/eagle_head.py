@@ -31,6 +31,7 @@ from flax import nnx
 
 from eagle_jax.config import ModelConfig
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.kernels import linear
 from eagle_jax.model import AttnBias, DecoderLayer, Linear, RMSNorm, Transformer, empty_kv, rope_tables
 
 
@@ -104,13 +105,13 @@ class Frozen:
     return cls(embed_VxD=target.embed[...], lm_head_VxD=head, draft_head_KxD=head[ids], d2t_K=ids)
 
   def target_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
-    return jnp.einsum("...d,vd->...v", hidden_BxTxD, self.lm_head_VxD).astype(jnp.float32)
+    return linear(hidden_BxTxD, self.lm_head_VxD).astype(jnp.float32)
 
   def draft_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
     """Logits over the draft vocabulary (the whole target vocabulary if none was chosen)."""
     if self.draft_head_KxD is None:
       return self.target_logits(hidden_BxTxD)
-    return jnp.einsum("...d,kd->...k", hidden_BxTxD, self.draft_head_KxD).astype(jnp.float32)
+    return linear(hidden_BxTxD, self.draft_head_KxD).astype(jnp.float32)
 
 
 class EagleHead(nnx.Module):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
+from eagle_jax.kernels import linear
 
 
 def empty_kv(config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
@@ -115,7 +116,8 @@ class Linear(nnx.Module):
   """``y = x W^T + b`` with ``W`` stored ``[out, in]`` (Hugging Face layout).
 
   On XLA's CPU backend this layout is a few percent faster for the decode-time
-  matrix-vector products than ``[in, out]``, and checkpoints load without transposes.
+  matrix-vector products than ``[in, out]``, and checkpoints load without transposes. Products
+  over 2-16 rows (verify passes over small trees) go to a CPU kernel, :mod:`eagle_jax.kernels`.
   """
 
   def __init__(self, din: int, dout: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32):
@@ -123,7 +125,7 @@ class Linear(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((dout,), param_dtype)) if bias else None
 
   def __call__(self, x_BxTxI: jax.Array) -> jax.Array:
-    y = jnp.einsum("...i,oi->...o", x_BxTxI, self.weight[...])
+    y = linear(x_BxTxI, self.weight[...])
     return y if self.bias is None else y + self.bias[...]
 
 
@@ -274,7 +276,7 @@ class Transformer(nnx.Module):
   def lm_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
     """Applies the LM head (tied or untied) to top hidden states; fp32 logits."""
     if self.lm_head is None:
-      return jnp.einsum("...d,vd->...v", hidden_BxTxD, self.embed[...]).astype(jnp.float32)
+      return linear(hidden_BxTxD, self.embed[...]).astype(jnp.float32)
     return self.lm_head(hidden_BxTxD).astype(jnp.float32)
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
