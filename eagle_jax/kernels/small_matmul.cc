@@ -71,7 +71,8 @@ void Block(const float* x, const float* w, float* y, int64_t in, int64_t out, in
 constexpr int64_t kSplit = 8;  // threads split the output rows in multiples of this
 
 // All token rows for weight rows [o_begin, o_end): the rows are walked in chunks that stay in
-// L1 while every group of up to 4 token rows passes over them, so weights come from memory once.
+// L1 (about 24 KB) while every group of up to 3 token rows passes over them, so weights come
+// from memory once.
 void Rows(const float* x, const float* w, float* y, int64_t m, int64_t in, int64_t out,
           int64_t o_begin, int64_t o_end) {
   const int64_t chunk = std::max<int64_t>(kSplit, 24576 / (4 * std::max<int64_t>(in, 1)) / kSplit * kSplit);
