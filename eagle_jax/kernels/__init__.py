@@ -5,7 +5,7 @@ XLA's CPU backend streams at memory speed; over 2-16 tokens (a verify pass over 
 tree or chain, a draft model's step over several rows) XLA switches to a general matrix-matrix
 routine that is 2-3x slower per byte of weights at these shapes, so verifying even two tokens
 cost about twice a one-token pass. ``small_matmul.cc`` reads each weight row once for all rows
-of ``x`` and splits the output rows over two or more threads.
+of ``x`` and splits the output rows over one thread per core (its own small worker pool).
 
 How it is used: :func:`linear` is the product every :class:`eagle_jax.model.Linear` and the tied
 LM head run. It calls the kernel (an XLA FFI custom call) only for float32, 2-16 rows, when
