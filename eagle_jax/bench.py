@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle_jax import kernels
 from eagle_jax.data import load_mtbench
 from eagle_jax.generate import generate
 from eagle_jax.registry import load_model
@@ -46,9 +47,30 @@ def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 20) -> dict
 
 
 def weight_bytes_per_step(model) -> int:
-  """Bytes of parameters read by one decode step (an untied embedding reads one row only)."""
-  total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  return total if model.lm_head is None else total - model.embed.nbytes
+  """Bytes of parameters read by one decode step (an untied embedding reads one row only).
+  A weight whose integer blocks the CPU kernel reads counts by the blocks' bytes."""
+  from eagle_jax.model import WeightBlocks
+
+  read = {}  # weight path -> bytes read
+  for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    read[path] = v.get_value().nbytes
+  if kernels.available() and jax.default_backend() == "cpu":
+    for path, v in nnx.to_flat_state(nnx.state(model, WeightBlocks)):
+      weight = path[:-1] + ("weight",) if path[-1] == "blocks" else ("embed",)
+      read[weight] = v.get_value().nbytes
+  if model.lm_head is not None:
+    read.pop(("embed",))
+  return sum(read.values())
+
+
+def weights_read(model) -> str:
+  """Which form of the weights a decode step reads, in words."""
+  from eagle_jax.model import WeightBlocks
+
+  n = len(jax.tree.leaves(nnx.state(model, WeightBlocks), is_leaf=lambda x: isinstance(x, kernels.Blocks)))
+  if n and kernels.available() and jax.default_backend() == "cpu":
+    return f"integer blocks (GGUF's own) for {n} matrices, float32 for the rest"
+  return "float32"
 
 
 def _hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
@@ -109,6 +131,7 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
   result["settings"] = {
       "model": model, "batch": 1, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
       "prompt_tokens": [len(p) for p in prompts], "dtype": str(lm.model.embed.dtype),
+      "weights_read": weights_read(lm.model),
       "decoding": "greedy, EOS ignored", "jax_version": jax.__version__,
       "jax_backend": jax.default_backend(), "machine": platform.machine(),
       "cpu_count": __import__("os").cpu_count(),

@@ -20,7 +20,10 @@ from flax import nnx
 
 from eagle_jax.config import ModelConfig
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model import Transformer
+from eagle_jax.kernels import Blocks
+from eagle_jax.model import Transformer, WeightBlocks
+
+BLOCKS_FILE = "gguf_blocks.safetensors"  # integer blocks of quantized weights (gguf_convert)
 
 
 def read_config(folder: str) -> ModelConfig:
@@ -44,7 +47,7 @@ def _weight_files(folder: str) -> list[str]:
     except (json.JSONDecodeError, KeyError) as e:
       raise EagleJaxError(f"{index}: invalid safetensors index ({e})") from None
   else:
-    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and n != BLOCKS_FILE)
     if not files:
       has_pickle = any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(folder))
       hint = " (pickle .bin weights are not loaded; convert them to safetensors)" if has_pickle else ""
@@ -56,11 +59,11 @@ def _weight_files(folder: str) -> list[str]:
   return paths
 
 
-def read_safetensors(folder: str) -> dict[str, np.ndarray]:
+def read_safetensors(folder: str, paths: list[str] | None = None) -> dict[str, np.ndarray]:
   from safetensors import safe_open
 
   tensors = {}
-  for path in _weight_files(folder):
+  for path in _weight_files(folder) if paths is None else paths:
     try:
       with safe_open(path, framework="numpy") as f:
         for name in f.keys():
@@ -77,29 +80,60 @@ def _assign(param: nnx.Variable, value: np.ndarray, name: str, dtype):
   param.value = jnp.asarray(value, dtype=dtype)
 
 
-def _load_linear(lin, get, names: list[str], dtype) -> None:
+def _stacked_blocks(blocks: dict[str, Blocks], names: list[str], shape) -> WeightBlocks | None:
+  """The integer blocks of weights ``names`` stacked by rows, if each has them in one format."""
+  parts = [blocks.get(n) for n in names]
+  if any(p is None for p in parts) or len({p.q_OxQ.dtype for p in parts}) != 1:
+    return None
+  stacked = Blocks.concat(parts)
+  if tuple(stacked.shape) != tuple(shape):
+    return None
+  return WeightBlocks(jax.tree.map(jnp.asarray, stacked))
+
+
+def _load_linear(lin, get, names: list[str], dtype, blocks: dict[str, Blocks]) -> None:
   """Loads one or more Hugging Face linears stacked by rows (fused q/k/v, gate/up)."""
   _assign(lin.weight, np.concatenate([get(n + ".weight") for n in names]), "+".join(names), dtype)
   if lin.bias is not None:
     _assign(lin.bias, np.concatenate([get(n + ".bias") for n in names]), "+".join(names) + " bias", dtype)
+  lin.blocks = _stacked_blocks(blocks, [n + ".weight" for n in names], lin.weight.shape)
 
 
-def load_weights(model: Transformer, get: Callable[[str], np.ndarray], dtype) -> None:
-  """Copies Hugging Face-named tensors into ``model`` (same ``[out, in]`` layout)."""
+def load_weights(model: Transformer, get: Callable[[str], np.ndarray], dtype,
+                 blocks: dict[str, Blocks] | None = None) -> None:
+  """Copies Hugging Face-named tensors into ``model`` (same ``[out, in]`` layout); ``blocks``:
+  integer blocks of some of them (float32 models only), set beside their float32 weights."""
+  blocks = blocks if blocks and dtype == jnp.float32 else {}
   _assign(model.embed, get("model.embed_tokens.weight"), "model.embed_tokens.weight", dtype)
+  model.embed_blocks = _stacked_blocks(blocks, ["model.embed_tokens.weight"], model.embed.shape)
   for i, layer in enumerate(model.layers):
     prefix = f"model.layers.{i}."
     _assign(layer.input_norm.weight, get(prefix + "input_layernorm.weight"),
             prefix + "input_layernorm.weight", dtype)
     _assign(layer.post_norm.weight, get(prefix + "post_attention_layernorm.weight"),
             prefix + "post_attention_layernorm.weight", dtype)
-    _load_linear(layer.attn.qkv, get, [prefix + f"self_attn.{n}_proj" for n in "qkv"], dtype)
-    _load_linear(layer.attn.o, get, [prefix + "self_attn.o_proj"], dtype)
-    _load_linear(layer.mlp.gate_up, get, [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"], dtype)
-    _load_linear(layer.mlp.down, get, [prefix + "mlp.down_proj"], dtype)
+    _load_linear(layer.attn.qkv, get, [prefix + f"self_attn.{n}_proj" for n in "qkv"], dtype, blocks)
+    _load_linear(layer.attn.o, get, [prefix + "self_attn.o_proj"], dtype, blocks)
+    _load_linear(layer.mlp.gate_up, get, [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"], dtype,
+                 blocks)
+    _load_linear(layer.mlp.down, get, [prefix + "mlp.down_proj"], dtype, blocks)
   _assign(model.final_norm.weight, get("model.norm.weight"), "model.norm.weight", dtype)
   if model.lm_head is not None:
     _assign(model.lm_head.weight, get("lm_head.weight"), "lm_head.weight", dtype)
+    model.lm_head.blocks = _stacked_blocks(blocks, ["lm_head.weight"], model.lm_head.weight.shape)
+
+
+def read_blocks(folder: str) -> dict[str, Blocks]:
+  """The integer blocks a GGUF conversion kept (:data:`BLOCKS_FILE`), by weight name."""
+  path = os.path.join(folder, BLOCKS_FILE)
+  if not os.path.isfile(path):
+    return {}
+  flat = read_safetensors(folder, [path])
+  names = {k.rsplit(".", 1)[0] for k in flat}
+  try:
+    return {n: Blocks(flat[n + ".q"], flat[n + ".scale"], flat[n + ".offset"]) for n in names}
+  except KeyError as e:
+    raise EagleJaxError(f"{path}: incomplete integer blocks (no {e.args[0]!r})") from None
 
 
 def abstract_model(config: ModelConfig, param_dtype=jnp.float32) -> Transformer:
@@ -120,7 +154,7 @@ def load_hf_folder(folder: str, param_dtype=jnp.float32) -> tuple[ModelConfig, T
     return tensors[name]
 
   model = abstract_model(config, param_dtype)
-  load_weights(model, get, param_dtype)
+  load_weights(model, get, param_dtype, read_blocks(folder))
   leftover = [p for p in jax.tree.leaves(nnx.state(model)) if isinstance(p, jax.ShapeDtypeStruct)]
   assert not leftover, f"{len(leftover)} parameters were not loaded"
   return config, model

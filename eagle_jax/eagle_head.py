@@ -31,8 +31,9 @@ from flax import nnx
 
 from eagle_jax.config import ModelConfig
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.kernels import linear
-from eagle_jax.model import AttnBias, DecoderLayer, Linear, RMSNorm, Transformer, empty_kv, rope_tables
+from eagle_jax.kernels import Blocks, linear
+from eagle_jax.model import (AttnBias, DecoderLayer, Linear, RMSNorm, Transformer, blocks_of, empty_kv,
+                             rope_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,33 +86,41 @@ class Frozen:
   For drafting over a reduced vocabulary with the target's own head (EAGLE-1/2, as FR-Spec
   does), ``draft_head_KxD`` holds the LM-head rows of the ``K`` target ids in ``d2t_K``, copied
   once when the drafter is built (a gather inside the jitted step would copy them every step).
+  ``*_blocks``: the same heads as integer blocks where the target has them (GGUF checkpoints;
+  :mod:`eagle_jax.kernels` reads them for passes over 1-16 rows).
   """
 
   embed_VxD: jax.Array
   lm_head_VxD: jax.Array
   draft_head_KxD: jax.Array | None = None
   d2t_K: jax.Array | None = None
+  lm_head_blocks: Blocks | None = None
+  draft_head_blocks: Blocks | None = None
 
   @classmethod
   def of(cls, target: Transformer, draft_ids=None) -> "Frozen":
     """``draft_ids``: target ids the drafter may propose (None = the whole vocabulary)."""
-    head = target.embed[...] if target.lm_head is None else target.lm_head.weight[...]
+    if target.lm_head is None:
+      head, blocks = target.embed[...], blocks_of(target.embed_blocks)
+    else:
+      head, blocks = target.lm_head.weight[...], blocks_of(target.lm_head.blocks)
     if draft_ids is None:
-      return cls(embed_VxD=target.embed[...], lm_head_VxD=head)
+      return cls(embed_VxD=target.embed[...], lm_head_VxD=head, lm_head_blocks=blocks)
     ids = jnp.asarray(draft_ids, jnp.int32)
     if ids.ndim != 1 or ids.size == 0 or int(ids.min()) < 0 or int(ids.max()) >= head.shape[0]:
       raise EagleJaxError(f"draft vocabulary must be 1 to {head.shape[0]} target ids in "
                           f"[0, {head.shape[0]})")
-    return cls(embed_VxD=target.embed[...], lm_head_VxD=head, draft_head_KxD=head[ids], d2t_K=ids)
+    return cls(embed_VxD=target.embed[...], lm_head_VxD=head, draft_head_KxD=head[ids], d2t_K=ids,
+               lm_head_blocks=blocks, draft_head_blocks=None if blocks is None else blocks.take(ids))
 
   def target_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
-    return linear(hidden_BxTxD, self.lm_head_VxD).astype(jnp.float32)
+    return linear(hidden_BxTxD, self.lm_head_VxD, self.lm_head_blocks).astype(jnp.float32)
 
   def draft_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
     """Logits over the draft vocabulary (the whole target vocabulary if none was chosen)."""
     if self.draft_head_KxD is None:
       return self.target_logits(hidden_BxTxD)
-    return linear(hidden_BxTxD, self.draft_head_KxD).astype(jnp.float32)
+    return linear(hidden_BxTxD, self.draft_head_KxD, self.draft_head_blocks).astype(jnp.float32)
 
 
 class EagleHead(nnx.Module):

@@ -4,6 +4,12 @@ The folder (``config.json``, ``model.safetensors`` in fp32, tokenizer files with
 template) is then loaded by :mod:`eagle_jax.checkpoints` like any other Hugging Face
 checkpoint, so GGUF models take one code path after conversion. llama.cpp stores the Q and
 K projections with rows permuted for its interleaved RoPE; :func:`unpermute_qk` undoes it.
+
+Weights stored in GGUF's 32-weight block formats Q4_0, Q4_1 and Q8_0 are also kept as integer
+blocks (``gguf_blocks.safetensors``, :data:`eagle_jax.checkpoints.BLOCKS_FILE`): the CPU kernel
+reads those instead of the float32 weights for passes over 1-16 tokens (a quarter to a sixth of
+the bytes; :mod:`eagle_jax.kernels`). A tensor's blocks are kept only if they expand to exactly
+its float32 weights (checked at conversion).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+FORMAT = 2  # of a converted folder; 2 added the integer blocks. Older conversions are redone.
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -83,16 +90,41 @@ def _hf_name(gguf_name: str) -> str:
   raise EagleJaxError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-  """Dequantized fp32 weights under Hugging Face names, Q/K rows un-permuted."""
+def _blocks_of(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+  """``(q, scale, offset)`` of a GGUF tensor's raw rows ``[rows, bytes]`` in a 32-weight block
+  format (see :class:`eagle_jax.kernels.Blocks`), or None for other formats."""
+  layout = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}.get(kind)
+  if layout is None or data.ndim != 2:
+    return None
+  size, has_min = layout
+  rows = data.shape[0]
+  blocks = data.reshape(rows, -1, size)
+  f16 = lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0].astype(np.float32)
+  scale = f16(blocks[..., 0:2])
+  start = 4 if has_min else 2
+  if kind == "Q8_0":
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
+    offset = np.zeros_like(scale)
+  else:  # 4-bit values 0..15; Q4_0's are centred: d * (q - 8) = d * q + (-8 d), both exact
+    q = np.ascontiguousarray(blocks[..., start:]).reshape(rows, -1)
+    offset = f16(blocks[..., 2:4]) if has_min else -8 * scale
+  return q, scale, offset
+
+
+def read_gguf(path: str, with_blocks: bool = False):
+  """Dequantized fp32 weights under Hugging Face names, Q/K rows un-permuted: ``(config,
+  tensors)``, and with ``with_blocks`` also ``{name: (q, scale, offset)}`` for the tensors
+  whose integer blocks expand exactly to their fp32 weights."""
   import gguf
+
+  from eagle_jax.kernels import Blocks
 
   try:
     reader = gguf.GGUFReader(path)
   except Exception as e:
     raise EagleJaxError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
   config = _config_from_gguf(reader, path)
-  tensors = {}
+  tensors, blocks = {}, {}
   for t in reader.tensors:
     try:
       w = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -100,12 +132,16 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
       raise EagleJaxError(f"{path}: cannot dequantize tensor {t.name} ({e})") from None
     w = np.asarray(w, np.float32).reshape([int(d) for d in reversed(t.shape)])
     name = _hf_name(t.name)
-    if name.endswith("q_proj.weight"):
-      w = unpermute_qk(w, config.num_heads)
-    elif name.endswith("k_proj.weight"):
-      w = unpermute_qk(w, config.num_kv_heads)
+    parts = _blocks_of(np.asarray(t.data), t.tensor_type.name) if with_blocks else None
+    heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
+    for suffix, n in heads.items():
+      if name.endswith(suffix):
+        w = unpermute_qk(w, n)
+        parts = parts and tuple(unpermute_qk(a, n) for a in parts)
     tensors[name] = np.ascontiguousarray(w)
-  return config, tensors
+    if parts is not None and np.array_equal(Blocks(*parts).dequantize(), tensors[name]):
+      blocks[name] = tuple(np.ascontiguousarray(a) for a in parts)
+  return (config, tensors, blocks) if with_blocks else (config, tensors)
 
 
 def convert_gguf(path: str, out_dir: str) -> str:
@@ -115,7 +151,9 @@ def convert_gguf(path: str, out_dir: str) -> str:
 
   if not os.path.isfile(path):
     raise EagleJaxError(f"GGUF file not found: {path}")
-  config, tensors = read_gguf(path)
+  from eagle_jax.checkpoints import BLOCKS_FILE
+
+  config, tensors, blocks = read_gguf(path, with_blocks=True)
   parent = os.path.dirname(os.path.abspath(out_dir))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
@@ -123,10 +161,14 @@ def convert_gguf(path: str, out_dir: str) -> str:
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok.save_pretrained(tmp)
     save_file(tensors, os.path.join(tmp, "model.safetensors"))
+    if blocks:
+      save_file({f"{name}.{part}": a for name, parts in blocks.items()
+                 for part, a in zip(("q", "scale", "offset"), parts)}, os.path.join(tmp, BLOCKS_FILE))
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config.to_hf_dict(), f, indent=2)
     with open(os.path.join(tmp, "source.json"), "w") as f:
-      json.dump({"converted_from": os.path.abspath(path), "size": os.path.getsize(path)}, f)
+      json.dump({"converted_from": os.path.abspath(path), "size": os.path.getsize(path),
+                 "format": FORMAT}, f)
     if os.path.exists(out_dir):
       shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -26,7 +26,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
-from eagle_jax.kernels import linear
+from eagle_jax.kernels import Blocks, linear
+
+
+class WeightBlocks(nnx.Variable):
+  """A weight's integer blocks (:class:`eagle_jax.kernels.Blocks`), kept beside its float32
+  parameter when the checkpoint stores it that way; not trained, not a :class:`nnx.Param`."""
+
+
+def blocks_of(variable: WeightBlocks | None) -> Blocks | None:
+  return None if variable is None else variable.get_value()
 
 
 def empty_kv(config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
@@ -117,15 +126,18 @@ class Linear(nnx.Module):
 
   On XLA's CPU backend this layout is a few percent faster for the decode-time
   matrix-vector products than ``[in, out]``, and checkpoints load without transposes. Products
-  over 2-16 rows (verify passes over small trees) go to a CPU kernel, :mod:`eagle_jax.kernels`.
+  over 2-16 rows (verify passes over small trees) go to a CPU kernel, :mod:`eagle_jax.kernels`,
+  which reads ``blocks`` (the weight's integer blocks, set by the loader for GGUF checkpoints)
+  instead of ``weight`` where they exist, for 1-16 rows.
   """
 
   def __init__(self, din: int, dout: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (dout, din), param_dtype))
     self.bias = nnx.Param(jnp.zeros((dout,), param_dtype)) if bias else None
+    self.blocks: WeightBlocks | None = nnx.data(None)
 
   def __call__(self, x_BxTxI: jax.Array) -> jax.Array:
-    y = linear(x_BxTxI, self.weight[...])
+    y = linear(x_BxTxI, self.weight[...], blocks_of(self.blocks))
     return y if self.bias is None else y + self.bias[...]
 
 
@@ -272,11 +284,12 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
     self.lm_head = None if config.tie_word_embeddings else _linear(
         config.hidden_size, config.vocab_size, False, rngs, param_dtype)
+    self.embed_blocks: WeightBlocks | None = nnx.data(None)  # as Linear.blocks (the tied head)
 
   def lm_logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
     """Applies the LM head (tied or untied) to top hidden states; fp32 logits."""
     if self.lm_head is None:
-      return linear(hidden_BxTxD, self.embed[...]).astype(jnp.float32)
+      return linear(hidden_BxTxD, self.embed[...], blocks_of(self.embed_blocks)).astype(jnp.float32)
     return self.lm_head(hidden_BxTxD).astype(jnp.float32)
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,

@@ -3,8 +3,9 @@
 ``--model`` accepts a registered name (e.g. ``smollm2-135m-instruct``), a Hugging Face
 folder, or a ``.gguf`` file. GGUF checkpoints are converted once into a Hugging Face folder
 under the cache directory: ``$EAGLE_JAX_CACHE`` if set, else ``~/.cache/eagle_jax``
-(``models/<name>/``: config.json, fp32 model.safetensors, tokenizer files). Delete that
-folder to force a fresh conversion.
+(``models/<name>/``: config.json, fp32 model.safetensors, the integer blocks of block-quantized
+weights in gguf_blocks.safetensors, tokenizer files). Delete that folder to force a fresh
+conversion; a folder written by an older version of the converter is converted again.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from eagle_jax.checkpoints import load_hf_folder
 from eagle_jax.config import ModelConfig
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.gguf_convert import convert_gguf
+from eagle_jax.gguf_convert import FORMAT, convert_gguf
 from eagle_jax.model import Transformer
 from eagle_jax.tokenizer import Tokenizer
 
@@ -92,7 +93,8 @@ def _converted_folder(gguf_path: str, name: str) -> str:
     if os.path.isfile(marker):
       with open(marker) as f:
         src = json.load(f)
-      if src.get("converted_from") == os.path.abspath(gguf_path) and src.get("size") == os.path.getsize(gguf_path):
+      if (src.get("converted_from") == os.path.abspath(gguf_path) and src.get("format") == FORMAT
+          and src.get("size") == os.path.getsize(gguf_path)):
         return out
     print(f"[eagle_jax] converting {gguf_path} -> {out} (first use only)", flush=True)
     return convert_gguf(gguf_path, out)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eagle_jax import cli
-from eagle_jax.gguf_convert import unpermute_qk
+from eagle_jax import cli, kernels
+from eagle_jax.gguf_convert import _blocks_of, unpermute_qk
+from eagle_jax.model import KVCache, blocks_of
 
 import gguf_reference as ref
 
@@ -43,6 +44,62 @@ def test_golden_logits(smollm):
     worst = max(worst, float(np.abs(ours[:, cols] - golden[f"logits_{i}"]).max()))
     assert (ours.argmax(-1) == golden[f"argmax_{i}"]).all()
   print(f"\nmax |logit diff| vs golden: {worst:.2e}")
+  assert worst <= 1e-3
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_integer_blocks_expand_to_gguf_dequantization(kind):
+  import gguf
+
+  x = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) * 3 + 0.5
+  t = gguf.GGMLQuantizationType[kind]
+  raw = gguf.quants.quantize(x, t)
+  q, scale, offset = _blocks_of(raw, kind)
+  assert q.dtype == (np.int8 if kind == "Q8_0" else np.uint8)
+  np.testing.assert_array_equal(kernels.Blocks(q, scale, offset).dequantize(),
+                                gguf.quants.dequantize(raw, t).reshape(x.shape))
+  assert _blocks_of(raw, "Q6_K") is None
+
+
+def test_default_model_keeps_exact_integer_blocks(smollm):
+  """Every matrix of the Q4_1 / Q8_0 file keeps its blocks, and they expand to exactly the
+  float32 weights (after the Q/K un-permutation)."""
+  m = smollm.model
+  pairs = [(m.embed[...], blocks_of(m.embed_blocks))]
+  for layer in m.layers:
+    for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
+      pairs.append((lin.weight[...], blocks_of(lin.blocks)))
+  assert all(b is not None for _, b in pairs)
+  assert blocks_of(m.embed_blocks).bits == 8 and blocks_of(m.layers[0].mlp.down.blocks).bits == 4
+  for w, b in pairs:
+    np.testing.assert_array_equal(b.dequantize(), np.asarray(w))
+
+
+def test_golden_logits_through_the_block_kernel(smollm):
+  """Prompts fed 16 tokens at a time through the cache: every product reads the integer blocks
+  (CPU kernel, 1-16 rows), and logits still match transformers' stored ones."""
+  assert kernels.available()
+  golden = np.load(ref.GOLDEN)
+  cols = golden["columns"]
+
+  @nnx.jit
+  def chunk(model, ids, pos, cache):
+    out = model(ids, pos, cache)
+    return out.logits_BxTxV[0], out.cache
+
+  worst = 0.0
+  for i in range(len(ref.PROMPTS)):
+    ids = golden[f"ids_{i}"]
+    cache = KVCache.init(smollm.config, 1, 16 * (len(ids) // 16 + 1))
+    logits = []
+    for s in range(0, len(ids) - len(ids) % 16, 16):
+      lg, cache = chunk(smollm.model, jnp.asarray(ids[None, s:s + 16]), jnp.arange(s, s + 16)[None], cache)
+      logits.append(np.asarray(lg))
+    ours = np.concatenate(logits)
+    n = len(ours)
+    worst = max(worst, float(np.abs(ours[:, cols] - golden[f"logits_{i}"][:n]).max()))
+    assert (ours.argmax(-1) == golden[f"argmax_{i}"][:n]).all()
+  print(f"\nmax |logit diff| vs golden, through the block kernel: {worst:.2e}")
   assert worst <= 1e-3
 
 

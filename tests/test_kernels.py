@@ -1,5 +1,7 @@
 """The CPU small-matmul kernel (eagle_jax.kernels) against XLA's einsum."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +72,65 @@ def test_switched_off_or_unbuildable_falls_back_to_einsum(monkeypatch, tmp_path,
     monkeypatch.undo()
     kernels.available.cache_clear()
   assert kernels.available()
+
+
+def _blocks(dout, din, bits, seed=0):
+  rng = np.random.default_rng(seed)
+  q = (rng.integers(-128, 128, (dout, din)).astype(np.int8) if bits == 8
+       else rng.integers(0, 256, (dout, din // 2)).astype(np.uint8))
+  nb = din // kernels.BLOCK
+  return kernels.Blocks(jnp.asarray(q), jnp.asarray(rng.random((dout, nb), np.float32) / 64),
+                        jnp.asarray(rng.standard_normal((dout, nb)).astype(np.float32) / 8))
+
+
+def test_blocks_expand_in_gguf_order():
+  b = kernels.Blocks(jnp.asarray(np.arange(16, dtype=np.uint8)[None] * 17),  # byte j = (j, j)
+                     jnp.full((1, 1), 0.5, jnp.float32), jnp.full((1, 1), -1.0, jnp.float32))
+  want = np.concatenate([np.arange(16), np.arange(16)]) * 0.5 - 1.0
+  np.testing.assert_array_equal(b.dequantize(), want[None].astype(np.float32))
+  b8 = kernels.Blocks(jnp.asarray(np.arange(-16, 16, dtype=np.int8)[None]),
+                      jnp.full((1, 1), 0.25, jnp.float32), jnp.zeros((1, 1), jnp.float32))
+  np.testing.assert_array_equal(b8.dequantize(), (np.arange(-16, 16) * 0.25)[None].astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("din,dout", [(32, 5), (576, 1030)])
+def test_block_kernel_equals_float32_product_and_each_row_alone(bits, din, dout):
+  b = _blocks(dout, din, bits)
+  w = jnp.asarray(b.dequantize())
+  f = jax.jit(kernels.linear)
+  for lead in [(1,), (2,), (1, 3), (7,), (16,), (17,)]:
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(lead + (din,)), jnp.float32)
+    got = f(x, w, b)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_einsum(x, w)), rtol=1e-5,
+                               atol=1e-5 * np.sqrt(din))
+    if math.prod(lead) <= kernels.MAX_ROWS:  # each row's bits do not depend on the others
+      flat = x.reshape(-1, din)
+      alone = np.stack([np.asarray(f(flat[i:i + 1], w, b))[0] for i in range(flat.shape[0])])
+      np.testing.assert_array_equal(np.asarray(got).reshape(alone.shape), alone)
+
+
+def test_block_kernel_taken_for_1_to_16_rows_with_matching_blocks():
+  b = _blocks(96, 64, 4)
+  w = jnp.asarray(b.dequantize())
+  for rows, taken in [(1, True), (2, True), (16, True), (17, False)]:
+    x = jnp.ones((rows, 64), jnp.float32)
+    hlo = jax.jit(kernels.linear).lower(x, w, b).as_text()
+    assert ("eagle_jax_block_matmul" in hlo) == taken, rows
+  x = jnp.ones((1, 64), jnp.float32)
+  other = jnp.ones((96, 32), jnp.float32)  # blocks of another shape are never used for it
+  assert "custom_call" not in jax.jit(kernels.linear).lower(jnp.ones((1, 32)), other, b).as_text()
+
+
+def test_block_kernel_gradients_and_vmap():
+  b = _blocks(50, 64, 8, seed=2)
+  w = jnp.asarray(b.dequantize())
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, 64)), jnp.float32)
+  loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w))))
+  got = jax.grad(loss(lambda x, w: kernels.linear(x, w, b)), argnums=(0, 1))(x, w)
+  want = jax.grad(loss(_einsum), argnums=(0, 1))(x, w)
+  for g, e in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-4)
+  xb = jnp.stack([x, 2 * x])
+  got = jax.jit(jax.vmap(lambda x: kernels.linear(x, w, b)))(xb)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_einsum(xb, w)), rtol=1e-5, atol=1e-4)

@@ -1,4 +1,4 @@
-"""A CPU kernel for matrix products over a few rows (``x [..., in] @ w[out, in]^T``, 2-16 rows).
+"""CPU kernels for matrix products over a few rows (``x [..., in] @ w[out, in]^T``, 1-16 rows).
 
 Why: at batch 1 a target pass over one token is a matrix-vector product per weight matrix, which
 XLA's CPU backend streams at memory speed; over 2-16 tokens (a verify pass over a small draft
@@ -16,6 +16,15 @@ on first use into ``<cache dir>/kernels/`` (``EAGLE_JAX_CACHE``, see
 :func:`eagle_jax.registry.cache_dir`), keyed by its source, jaxlib's version and the CPU; where it
 cannot be built, a one-line notice says why and ``einsum`` is used. ``EAGLE_JAX_CPU_KERNELS=0``
 turns it off (the A/B switch for benchmarks).
+
+Integer weights: a checkpoint stored in GGUF's block formats (Q4_0, Q4_1, Q8_0: 32 weights per
+block, ``w = scale * q + offset``) keeps those blocks next to its float32 weights (:class:`Blocks`,
+set on a :class:`~eagle_jax.model.Linear` by the loader). For 1-16 rows :func:`linear` then
+reads the blocks instead of the float32 matrix: a quarter (8-bit) or about a sixth (4-bit) of the
+bytes, expanded chunk by chunk inside the kernel to exactly the float32 weights the checkpoint's
+own dequantization gives, so results equal the float32 product up to summation order. Each
+output is summed in the same order whatever the number of rows, so a token's logits have the
+same bits in a one-token decode step and in a verify pass over a tree.
 """
 
 from __future__ import annotations
@@ -31,11 +40,15 @@ import shlex
 import subprocess
 import sys
 
+import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-MIN_ROWS, MAX_ROWS = 2, 16  # one row is XLA's own fast matrix-vector product
+MIN_ROWS, MAX_ROWS = 2, 16  # float32: one row is XLA's own fast matrix-vector product
+BLOCK = 32  # weights per integer block, along the input axis
 _TARGET = "eagle_jax_small_matmul"
+_BLOCK_TARGET = "eagle_jax_block_matmul"
 _SOURCE = os.path.join(os.path.dirname(__file__), "small_matmul.cc")
 
 
@@ -81,10 +94,57 @@ def available() -> bool:
   try:
     lib = ctypes.cdll.LoadLibrary(_build())
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.EagleJaxSmallMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(_BLOCK_TARGET, jax.ffi.pycapsule(lib.EagleJaxBlockMatmul), platform="cpu")
   except (OSError, RuntimeError, AttributeError) as e:
     print(f"[eagle_jax] small-matmul CPU kernel unavailable, using XLA's dot: {e}", file=sys.stderr)
     return False
   return True
+
+
+@flax.struct.dataclass
+class Blocks:
+  """A weight ``[out, in]`` as integers in blocks of :data:`BLOCK` along ``in``:
+  ``w[o, i] = scale[o, i // 32] * q[o, i] + offset[o, i // 32]`` in float32.
+
+  ``q_OxQ`` is int8 ``[out, in]`` (8-bit values) or uint8 ``[out, in / 2]`` (4-bit values
+  0-15, byte ``j`` of a block's 16 holding value ``j`` in its low nibble and ``j + 16`` in its
+  high one, GGUF's order). Rows may be stacked (:meth:`concat`) and picked (:meth:`take`).
+  """
+
+  q_OxQ: jax.Array
+  scale_OxN: jax.Array
+  offset_OxN: jax.Array
+
+  @property
+  def bits(self) -> int:
+    return 4 if self.q_OxQ.dtype == jnp.uint8 else 8
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.q_OxQ.shape[0], self.scale_OxN.shape[1] * BLOCK
+
+  @property
+  def nbytes(self) -> int:
+    return self.q_OxQ.nbytes + self.scale_OxN.nbytes + self.offset_OxN.nbytes
+
+  def dequantize(self) -> np.ndarray:
+    """The float32 weight ``[out, in]`` (numpy; for checks and tests)."""
+    q = np.asarray(self.q_OxQ)
+    if self.bits == 4:  # [O, N, 16] bytes -> [O, N, 32] values: low nibbles, then high ones
+      b = q.reshape(q.shape[0], -1, BLOCK // 2)
+      q = np.concatenate([b & 15, b >> 4], axis=-1)
+    q = q.reshape(q.shape[0], -1, BLOCK).astype(np.float32)
+    w = q * np.asarray(self.scale_OxN)[..., None] + np.asarray(self.offset_OxN)[..., None]
+    return w.reshape(self.shape)
+
+  @classmethod
+  def concat(cls, parts: "list[Blocks]") -> "Blocks":
+    """Rows of ``parts`` stacked (one format and width)."""
+    return cls(*(np.concatenate([np.asarray(getattr(p, f)) for p in parts])
+                 for f in ("q_OxQ", "scale_OxN", "offset_OxN")))
+
+  def take(self, rows) -> "Blocks":
+    return Blocks(self.q_OxQ[rows], self.scale_OxN[rows], self.offset_OxN[rows])
 
 
 def _einsum(x, w):
@@ -113,15 +173,51 @@ def _bwd(res, g):
 _small_matmul.defvjp(_fwd, _bwd)
 
 
-def uses_kernel(x_shape, x_dtype, w_shape, w_dtype) -> bool:
-  """Whether :func:`linear` takes the kernel for these operands (when lowered for the CPU)."""
+def _block_ffi(x, w, blocks):
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (blocks.shape[0],), x.dtype)
+  return jax.ffi.ffi_call(_BLOCK_TARGET, out, vmap_method="expand_dims")(
+      x, blocks.q_OxQ, blocks.scale_OxN, blocks.offset_OxN)
+
+
+@jax.custom_vjp
+def _block_matmul(x, w, blocks):
+  """``x @ w^T`` read from ``blocks`` on the CPU; ``w`` (the same weight in float32) elsewhere
+  and for gradients."""
+  return jax.lax.platform_dependent(x, w, blocks, cpu=_block_ffi,
+                                    default=lambda x, w, blocks: _einsum(x, w))
+
+
+def _block_fwd(x, w, blocks):
+  return _block_matmul(x, w, blocks), (x, w, blocks)
+
+
+def _block_bwd(res, g):
+  x, w, blocks = res
+  zero = lambda a: (np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.floating)
+                    else jnp.zeros_like(a))
+  return (jnp.einsum("...o,oi->...i", g, w), jnp.einsum("...o,...i->oi", g, x),
+          jax.tree.map(zero, blocks))
+
+
+_block_matmul.defvjp(_block_fwd, _block_bwd)
+
+
+def uses_kernel(x_shape, x_dtype, w_shape, w_dtype, blocks: Blocks | None = None) -> bool:
+  """Whether :func:`linear` takes a kernel for these operands (when lowered for the CPU): the
+  integer-block one for 1-16 rows where ``blocks`` are given, else the float32 one for 2-16."""
   rows = math.prod(x_shape[:-1])
-  return (MIN_ROWS <= rows <= MAX_ROWS and len(w_shape) == 2 and x_dtype == jnp.float32
-          and w_dtype == jnp.float32 and available())
+  if x_dtype != jnp.float32 or len(w_shape) != 2 or rows > MAX_ROWS:
+    return False
+  if blocks is not None and tuple(blocks.shape) == tuple(w_shape):
+    return rows >= 1 and available()
+  return rows >= MIN_ROWS and w_dtype == jnp.float32 and available()
 
 
-def linear(x_XxI: jax.Array, w_OxI: jax.Array) -> jax.Array:
-  """``x @ w^T`` over the last axis of ``x`` (``w`` in the ``[out, in]`` layout)."""
-  if uses_kernel(x_XxI.shape, x_XxI.dtype, w_OxI.shape, w_OxI.dtype):
+def linear(x_XxI: jax.Array, w_OxI: jax.Array, blocks: Blocks | None = None) -> jax.Array:
+  """``x @ w^T`` over the last axis of ``x`` (``w`` in the ``[out, in]`` layout). ``blocks``:
+  the same weight as integer blocks, read instead of ``w`` by the CPU kernel for 1-16 rows."""
+  if uses_kernel(x_XxI.shape, x_XxI.dtype, w_OxI.shape, w_OxI.dtype, blocks):
+    if blocks is not None and tuple(blocks.shape) == tuple(w_OxI.shape):
+      return _block_matmul(x_XxI, w_OxI, blocks)
     return _small_matmul(x_XxI, w_OxI)
   return _einsum(x_XxI, w_OxI)

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <cstdint>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -35,53 +36,134 @@ inline float hsum(v8 v) {
 }
 
 // Rows [o_begin, o_end) of y for the token rows [m0, m0 + TM), R weight rows at a time; TM x R
-// accumulators, TM x vectors and one weight vector fit the 16 vector registers of AVX2.
+// accumulators, TM x vectors and one weight vector fit the 16 vector registers of AVX2. `w`
+// points at weight row o_begin. Each y value is summed in the same order whatever TM and m are,
+// so a token row gets the same bits alone or among others.
 template <int TM, int R>
 void Block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t m0,
            int64_t o_begin, int64_t o_end) {
   const int64_t in8 = in & ~int64_t{7};
   int64_t o = o_begin;
   for (; o + R <= o_end; o += R) {
+    const float* wo = w + (o - o_begin) * in;
     v8 acc[R][TM] = {};
     for (int64_t i = 0; i < in8; i += 8) {
       v8 xv[TM];
       for (int t = 0; t < TM; ++t) xv[t] = load8(x + (m0 + t) * in + i);
       for (int r = 0; r < R; ++r) {
-        const v8 wv = load8(w + (o + r) * in + i);
+        const v8 wv = load8(wo + r * in + i);
         for (int t = 0; t < TM; ++t) acc[r][t] += wv * xv[t];
       }
     }
     for (int r = 0; r < R; ++r) {
       for (int t = 0; t < TM; ++t) {
         float s = hsum(acc[r][t]);
-        for (int64_t i = in8; i < in; ++i) s += w[(o + r) * in + i] * x[(m0 + t) * in + i];
+        for (int64_t i = in8; i < in; ++i) s += wo[r * in + i] * x[(m0 + t) * in + i];
         y[(m0 + t) * out + o + r] = s;
       }
     }
   }
   for (; o < o_end; ++o) {  // the last rows, fewer than R
+    const float* wo = w + (o - o_begin) * in;
     for (int t = 0; t < TM; ++t) {
       float s = 0.f;
-      for (int64_t i = 0; i < in; ++i) s += w[o * in + i] * x[(m0 + t) * in + i];
+      for (int64_t i = 0; i < in; ++i) s += wo[i] * x[(m0 + t) * in + i];
       y[(m0 + t) * out + o] = s;
     }
   }
 }
 
+// Every group of up to 3 token rows over weight rows [c, e) (w points at row c).
+void Span(const float* x, const float* w, float* y, int64_t m, int64_t in, int64_t out,
+          int64_t c, int64_t e) {
+  int64_t m0 = 0;
+  for (; m0 + 3 <= m; m0 += 3) Block<3, 4>(x, w, y, in, out, m0, c, e);
+  if (m - m0 == 2) Block<2, 4>(x, w, y, in, out, m0, c, e);
+  if (m - m0 == 1) Block<1, 4>(x, w, y, in, out, m0, c, e);
+}
+
 constexpr int64_t kSplit = 8;  // threads split the output rows in multiples of this
+constexpr int64_t kBlock = 32;  // weights per quantization block (along `in`)
+
+// Weight rows per chunk: about 24 KB of float32, so a chunk stays in L1 while the token rows
+// pass over it.
+int64_t ChunkRows(int64_t in) {
+  return std::max<int64_t>(kSplit, 24576 / (4 * std::max<int64_t>(in, 1)) / kSplit * kSplit);
+}
+
+// Integer weights in blocks of kBlock along `in`: w[o, i] = scale[o, b] * q[o, i] + offset[o, b]
+// with b = i / kBlock. `bits` 8: q is int8 [out, in]. `bits` 4: q is uint8 [out, in / 2], byte
+// j of a block's 16 holding value j in its low nibble and value j + 16 in its high one (GGUF's
+// Q4_0 / Q4_1 order). The product scale * q is exact in float32 for these sizes, so the one
+// rounding of the sum gives the float32 weight GGUF's own dequantization gives.
+struct Quantized {
+  const void* q;
+  const float *scale, *offset;
+  int bits;
+};
+
+typedef float f16v __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline void Store16(float* p, f16v v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+// 8-bit lanes widen step by step: GCC 12 turns a direct 8-bit to float conversion (and, in this
+// loop, a signed 8-bit to 32-bit one) into 16 scalar conversions.
+template <typename V>
+inline f16v ToFloat(V v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f16v); }
+
+inline f16v Load8bit(const int8_t* p) {
+  i8x16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return ToFloat(__builtin_convertvector(v, i16x16));
+}
+
+// Weight rows [c, e) as float32 into buf (row o at buf + (o - c) * in), 16 values at a time.
+void Dequantize(const Quantized& qw, int64_t in, int64_t c, int64_t e, float* buf) {
+  const int64_t nb = in / kBlock;
+  for (int64_t o = c; o < e; ++o) {
+    float* dst = buf + (o - c) * in;
+    const float* sc = qw.scale + o * nb;
+    const float* of = qw.offset + o * nb;
+    if (qw.bits == 8) {
+      const int8_t* src = static_cast<const int8_t*>(qw.q) + o * in;
+      for (int64_t b = 0; b < nb; ++b) {
+        const f16v d = f16v{} + sc[b], mn = f16v{} + of[b];
+        Store16(dst + b * kBlock, Load8bit(src + b * kBlock) * d + mn);
+        Store16(dst + b * kBlock + 16, Load8bit(src + b * kBlock + 16) * d + mn);
+      }
+    } else {
+      const uint8_t* src = static_cast<const uint8_t*>(qw.q) + o * in / 2;
+      for (int64_t b = 0; b < nb; ++b) {
+        const f16v d = f16v{} + sc[b], mn = f16v{} + of[b];
+        u8x16 v;
+        __builtin_memcpy(&v, src + b * kBlock / 2, 16);
+        Store16(dst + b * kBlock, ToFloat(v & 15) * d + mn);
+        Store16(dst + b * kBlock + 16, ToFloat(v >> 4) * d + mn);
+      }
+    }
+  }
+}
 
 // All token rows for weight rows [o_begin, o_end): the rows are walked in chunks that stay in
-// L1 (about 24 KB) while every group of up to 3 token rows passes over them, so weights come
-// from memory once.
-void Rows(const float* x, const float* w, float* y, int64_t m, int64_t in, int64_t out,
-          int64_t o_begin, int64_t o_end) {
-  const int64_t chunk = std::max<int64_t>(kSplit, 24576 / (4 * std::max<int64_t>(in, 1)) / kSplit * kSplit);
+// L1 while every group of up to 3 token rows passes over them, so weights come from memory
+// once. Quantized weights (qw.q set) are first expanded chunk by chunk into a float32 buffer.
+void Rows(const float* x, const float* w, const Quantized& qw, float* y, int64_t m, int64_t in,
+          int64_t out, int64_t o_begin, int64_t o_end) {
+  const int64_t chunk = ChunkRows(in);
+  thread_local std::vector<float> buf;
+  if (qw.q != nullptr && static_cast<int64_t>(buf.size()) < chunk * in) buf.resize(chunk * in);
   for (int64_t c = o_begin; c < o_end; c += chunk) {
     const int64_t e = std::min(o_end, c + chunk);
-    int64_t m0 = 0;
-    for (; m0 + 3 <= m; m0 += 3) Block<3, 4>(x, w, y, in, out, m0, c, e);
-    if (m - m0 == 2) Block<2, 4>(x, w, y, in, out, m0, c, e);
-    if (m - m0 == 1) Block<1, 4>(x, w, y, in, out, m0, c, e);
+    if (qw.q == nullptr) {
+      Span(x, w + c * in, y, m, in, out, c, e);
+    } else {
+      Dequantize(qw, in, c, e, buf.data());
+      Span(x, buf.data(), y, m, in, out, c, e);
+    }
   }
 }
 
@@ -91,12 +173,13 @@ void Rows(const float* x, const float* w, float* y, int64_t m, int64_t in, int64
 // chunks that workers are already running.
 struct Job {
   const float *x, *w;
+  Quantized qw{nullptr, nullptr, nullptr, 0};
   float* y;
   int64_t m, in, out, per, chunks;
   std::atomic<int64_t> next{0}, done{0};
   void Work() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      Rows(x, w, y, m, in, out, c * per, std::min(out, (c + 1) * per));
+      Rows(x, w, qw, y, m, in, out, c * per, std::min(out, (c + 1) * per));
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -141,14 +224,33 @@ class Pool {
   std::deque<std::shared_ptr<Job>> queue_;
 };
 
+// Splits the output rows over the pool (at least 256 rows a chunk, so tiny matrices run on one
+// thread) and runs the job.
+void Launch(const std::shared_ptr<Job>& job) {
+  Pool& pool = Pool::Get();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.size(), job->out / 256));
+  job->per = ((job->out + parts - 1) / parts + kSplit - 1) / kSplit * kSplit;
+  job->chunks = (job->out + job->per - 1) / job->per;
+  if (job->chunks <= 1) {
+    Rows(job->x, job->w, job->qw, job->y, job->m, job->in, job->out, 0, job->out);
+  } else {
+    pool.Run(job);
+  }
+}
+
+// Whether a weight operand is one [rows, cols] matrix: it may carry leading dims of size 1
+// (jax.vmap over x alone, vmap_method="expand_dims").
+bool OneMatrix(ffi::Span<const int64_t> d) {
+  bool ok = d.size() >= 2;
+  for (size_t i = 0; i + 2 < d.size(); ++i) ok = ok && d[i] == 1;
+  return ok;
+}
+
 ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  // w may carry leading dims of size 1 (jax.vmap over x alone, vmap_method="expand_dims").
-  bool shared_w = wd.size() >= 2;
-  for (size_t i = 0; i + 2 < wd.size(); ++i) shared_w = shared_w && wd[i] == 1;
-  if (!shared_w || xd.size() < 1 || xd.back() != wd[wd.size() - 1]) {
+  if (!OneMatrix(wd) || xd.size() < 1 || xd.back() != wd[wd.size() - 1]) {
     return ffi::Error::InvalidArgument("small_matmul: x [..., in] and one w [out, in] expected");
   }
   auto job = std::make_shared<Job>();
@@ -158,16 +260,38 @@ ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   job->in = wd[wd.size() - 1];
   job->out = wd[wd.size() - 2];
   job->m = x.element_count() / std::max<int64_t>(job->in, 1);
-  Pool& pool = Pool::Get();
-  // Chunks of whole row blocks; at least 256 rows each, so tiny matrices run on one thread.
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.size(), job->out / 256));
-  job->per = ((job->out + parts - 1) / parts + kSplit - 1) / kSplit * kSplit;
-  job->chunks = (job->out + job->per - 1) / job->per;
-  if (job->chunks <= 1) {
-    Rows(job->x, job->w, job->y, job->m, job->in, job->out, 0, job->out);
-  } else {
-    pool.Run(job);
+  Launch(job);
+  return ffi::Error::Success();
+}
+
+// y = x @ w^T with w given as integer blocks (see Quantized): q int8 [out, in] or uint8
+// [out, in / 2], scale and offset float32 [out, in / 32].
+ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
+                       ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto qd = q.dimensions();
+  const auto sd = scale.dimensions();
+  const bool u8 = q.element_type() == ffi::DataType::U8;
+  if (!u8 && q.element_type() != ffi::DataType::S8) {
+    return ffi::Error::InvalidArgument("block_matmul: q must be int8 or uint8");
   }
+  if (!OneMatrix(qd) || !OneMatrix(sd) || xd.size() < 1) {
+    return ffi::Error::InvalidArgument("block_matmul: x [..., in] and one weight matrix expected");
+  }
+  const int64_t in = xd.back(), out = qd[qd.size() - 2];
+  if (in % kBlock != 0 || qd.back() != (u8 ? in / 2 : in) || sd[sd.size() - 2] != out ||
+      sd.back() != in / kBlock || offset.element_count() != scale.element_count()) {
+    return ffi::Error::InvalidArgument("block_matmul: q, scale and offset do not match x's width");
+  }
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = nullptr;
+  job->qw = Quantized{q.untyped_data(), scale.typed_data(), offset.typed_data(), u8 ? 4 : 8};
+  job->y = y->typed_data();
+  job->in = in;
+  job->out = out;
+  job->m = x.element_count() / std::max<int64_t>(in, 1);
+  Launch(job);
   return ffi::Error::Success();
 }
 
@@ -175,6 +299,14 @@ ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleJaxSmallMatmul, SmallMatmul,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleJaxBlockMatmul, BlockMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
