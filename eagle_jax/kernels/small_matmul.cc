@@ -7,13 +7,14 @@
 // rows over a small pool of worker threads. Built on first use by eagle_jax/kernels/__init__.py.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <cstdint>
+#include <immintrin.h>
 #include <thread>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -116,53 +117,111 @@ template <typename V>
 inline f16v ToFloat(V v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f16v); }
 
 inline f16v Load8bit(const int8_t* p) {
+#ifdef __AVX512F__  // one sign extension and one conversion
+  return reinterpret_cast<f16v>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p)))));
+#else
   i8x16 v;
   __builtin_memcpy(&v, p, sizeof(v));
   return ToFloat(__builtin_convertvector(v, i16x16));
+#endif
 }
 
-// Weight rows [c, e) as float32 into buf (row o at buf + (o - c) * in), 16 values at a time.
-void Dequantize(const Quantized& qw, int64_t in, int64_t c, int64_t e, float* buf) {
+inline f16v Load16(const float* p) {
+  f16v v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float Hsum16(f16v v) {
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += v[j];
+  return s;
+}
+
+// The 32 weights of block b of row o, as float32 (values 0-15 and 16-31).
+template <int Bits>
+inline void Expand(const Quantized& qw, int64_t in, int64_t o, int64_t b, f16v& lo, f16v& hi) {
+  const int64_t k = o * (in / kBlock) + b;
+  const f16v d = f16v{} + qw.scale[k], mn = f16v{} + qw.offset[k];
+  if (Bits == 8) {
+    const int8_t* p = static_cast<const int8_t*>(qw.q) + o * in + b * kBlock;
+    lo = Load8bit(p) * d + mn;
+    hi = Load8bit(p + 16) * d + mn;
+  } else {
+    u8x16 v;
+    __builtin_memcpy(&v, static_cast<const uint8_t*>(qw.q) + (o * in + b * kBlock) / 2, sizeof(v));
+    lo = ToFloat(v & 15) * d + mn;
+    hi = ToFloat(v >> 4) * d + mn;
+  }
+}
+
+// As Block, for integer-block weights expanded in registers: rows [o_begin, o_end) of y for
+// token rows [m0, m0 + TM), R weight rows at a time, then the rest one at a time. Every y value
+// takes the same operations in the same order whatever TM, R and m are.
+template <int Bits, int TM, int R>
+void QBlock(const float* x, const Quantized& qw, float* y, int64_t in, int64_t out, int64_t m0,
+            int64_t o_begin, int64_t o_end) {
   const int64_t nb = in / kBlock;
-  for (int64_t o = c; o < e; ++o) {
-    float* dst = buf + (o - c) * in;
-    const float* sc = qw.scale + o * nb;
-    const float* of = qw.offset + o * nb;
-    if (qw.bits == 8) {
-      const int8_t* src = static_cast<const int8_t*>(qw.q) + o * in;
-      for (int64_t b = 0; b < nb; ++b) {
-        const f16v d = f16v{} + sc[b], mn = f16v{} + of[b];
-        Store16(dst + b * kBlock, Load8bit(src + b * kBlock) * d + mn);
-        Store16(dst + b * kBlock + 16, Load8bit(src + b * kBlock + 16) * d + mn);
+  int64_t o = o_begin;
+  for (; o + R <= o_end; o += R) {
+    f16v acc[R][TM] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      f16v xl[TM], xh[TM];
+      for (int t = 0; t < TM; ++t) {
+        xl[t] = Load16(x + (m0 + t) * in + b * kBlock);
+        xh[t] = Load16(x + (m0 + t) * in + b * kBlock + 16);
       }
-    } else {
-      const uint8_t* src = static_cast<const uint8_t*>(qw.q) + o * in / 2;
-      for (int64_t b = 0; b < nb; ++b) {
-        const f16v d = f16v{} + sc[b], mn = f16v{} + of[b];
-        u8x16 v;
-        __builtin_memcpy(&v, src + b * kBlock / 2, 16);
-        Store16(dst + b * kBlock, ToFloat(v & 15) * d + mn);
-        Store16(dst + b * kBlock + 16, ToFloat(v >> 4) * d + mn);
+      for (int r = 0; r < R; ++r) {
+        f16v lo, hi;
+        Expand<Bits>(qw, in, o + r, b, lo, hi);
+        for (int t = 0; t < TM; ++t) {
+          acc[r][t] += lo * xl[t];
+          acc[r][t] += hi * xh[t];
+        }
       }
     }
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < TM; ++t) y[(m0 + t) * out + o + r] = Hsum16(acc[r][t]);
+    }
+  }
+  if (R > 1 && o < o_end) QBlock<Bits, TM, 1>(x, qw, y, in, out, m0, o, o_end);
+}
+
+#ifdef __AVX512F__
+// 32 vector registers: 4 x 4 accumulators, 8 token vectors, the expanded weights and scales.
+constexpr int kQRows = 4, kQTokens = 4;
+#else
+constexpr int kQRows = 1, kQTokens = 3;  // 16 registers of half the width
+#endif
+
+template <int Bits>
+void QSpan(const float* x, const Quantized& qw, float* y, int64_t m, int64_t in, int64_t out,
+           int64_t c, int64_t e) {
+  int64_t m0 = 0;
+  for (; m0 + kQTokens <= m; m0 += kQTokens) QBlock<Bits, kQTokens, kQRows>(x, qw, y, in, out, m0, c, e);
+  switch (m - m0) {
+    case 3: QBlock<Bits, 3, kQRows>(x, qw, y, in, out, m0, c, e); break;
+    case 2: QBlock<Bits, 2, kQRows>(x, qw, y, in, out, m0, c, e); break;
+    case 1: QBlock<Bits, 1, kQRows>(x, qw, y, in, out, m0, c, e); break;
+    default: break;
   }
 }
 
 // All token rows for weight rows [o_begin, o_end): the rows are walked in chunks that stay in
 // L1 while every group of up to 3 token rows passes over them, so weights come from memory
-// once. Quantized weights (qw.q set) are first expanded chunk by chunk into a float32 buffer.
+// once. Integer-block weights (qw.q set) are expanded to float32 in registers as they are used.
 void Rows(const float* x, const float* w, const Quantized& qw, float* y, int64_t m, int64_t in,
           int64_t out, int64_t o_begin, int64_t o_end) {
   const int64_t chunk = ChunkRows(in);
-  thread_local std::vector<float> buf;
-  if (qw.q != nullptr && static_cast<int64_t>(buf.size()) < chunk * in) buf.resize(chunk * in);
   for (int64_t c = o_begin; c < o_end; c += chunk) {
     const int64_t e = std::min(o_end, c + chunk);
     if (qw.q == nullptr) {
       Span(x, w + c * in, y, m, in, out, c, e);
+    } else if (qw.bits == 4) {
+      QSpan<4>(x, qw, y, m, in, out, c, e);
     } else {
-      Dequantize(qw, in, c, e, buf.data());
-      Span(x, buf.data(), y, m, in, out, c, e);
+      QSpan<8>(x, qw, y, m, in, out, c, e);
     }
   }
 }
@@ -193,27 +252,50 @@ class Pool {
   }
   int64_t size() const { return static_cast<int64_t>(workers_) + 1; }
   void Run(const std::shared_ptr<Job>& job) {
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (int64_t i = 1; i < job->chunks && i <= static_cast<int64_t>(workers_); ++i) queue_.push_back(job);
+      for (int64_t i = 1; i < job->chunks && i <= static_cast<int64_t>(workers_); ++i) {
+        queue_.push_back(job);
+        pending_.fetch_add(1, std::memory_order_release);
+      }
+      wake = sleepers_ > 0;
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_all();  // workers still spinning from the last call need no wake-up
     job->Work();
     while (job->done.load(std::memory_order_acquire) < job->chunks) std::this_thread::yield();
   }
 
  private:
+  // How long an idle worker spins before it sleeps: a forward pass calls the kernel every few
+  // tens of microseconds, and waking a sleeping thread costs about as much.
+  static constexpr auto kSpin = std::chrono::microseconds(200);
+
   Pool() : workers_(std::max(1u, std::thread::hardware_concurrency()) - 1) {
     for (unsigned i = 0; i < workers_; ++i) std::thread([this] { Loop(); }).detach();
   }
+  bool SpinForWork() {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (int i = 0;; ++i) {
+      if (pending_.load(std::memory_order_acquire) > 0) return true;
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
+#if defined(__x86_64__) || defined(__i386__)
+      _mm_pause();
+#endif
+    }
+  }
   void Loop() {
     for (;;) {
+      SpinForWork();
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
+        ++sleepers_;
         cv_.wait(lock, [this] { return !queue_.empty(); });
+        --sleepers_;
         job = std::move(queue_.front());
         queue_.pop_front();
+        pending_.fetch_sub(1, std::memory_order_relaxed);
       }
       job->Work();
     }
@@ -222,6 +304,8 @@ class Pool {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
+  std::atomic<int64_t> pending_{0};
+  int sleepers_ = 0;  // guarded by mu_
 };
 
 // Splits the output rows over the pool (at least 256 rows a chunk, so tiny matrices run on one
