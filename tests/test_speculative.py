@@ -174,9 +174,10 @@ def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
 
   timed = []
 
-  def fake_median_ms(fn, *args, repeats=10):
-    timed.append(args[1].shape[1])
-    return float(args[1].shape[1])
+  def fake_median_ms(fn, state, tokens, cache, chain, repeats=10):  # n ms per forward, chained
+    if chain == 1:
+      timed.append(tokens.shape[1])
+    return float(tokens.shape[1] * chain)
 
   monkeypatch.setattr(costs, "median_ms", fake_median_ms)
   monkeypatch.setattr(costs, "_VERIFY_MS", {})
