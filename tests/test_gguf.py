@@ -75,6 +75,19 @@ def test_default_model_keeps_exact_integer_blocks(smollm):
     np.testing.assert_array_equal(b.dequantize(), np.asarray(w))
 
 
+def test_default_model_decode_step_reads_every_matrix_as_blocks(smollm):
+  """One decode step's program calls the block kernel once per matrix (4 per layer and the tied
+  head) and reads no float32 weight matrix."""
+  cache = KVCache.init(smollm.config, 1, 64)
+  step = nnx.jit(lambda m, tok, cache: m(tok, cache.lengths_B[:, None], cache).logits_BxTxV)
+  hlo = step.lower(smollm.model, jnp.ones((1, 1), jnp.int32), cache).as_text()
+  assert hlo.count("eagle_jax_block_matmul") == 4 * smollm.config.num_layers + 1
+  matrices = {f"tensor<{o}x{i}xf32>" for o, i in [(960, 576), (576, 576), (3072, 576), (576, 1536),
+                                                  (49152, 576)]}
+  products = [l for l in hlo.splitlines() if "dot_general" in l]
+  assert not [l for l in products if any(m in l for m in matrices)], products
+
+
 def test_golden_logits_through_the_block_kernel(smollm):
   """Prompts fed 16 tokens at a time through the cache: every product reads the integer blocks
   (CPU kernel, 1-16 rows), and logits still match transformers' stored ones."""

@@ -8,8 +8,8 @@ cost about twice a one-token pass. ``small_matmul.cc`` reads each weight row onc
 of ``x`` and splits the output rows over one thread per core (its own small worker pool).
 
 How it is used: :func:`linear` is the product every :class:`eagle_jax.model.Linear` and the tied
-LM head run. It calls the kernel (an XLA FFI custom call) only for float32, 2-16 rows, when
-lowering for the CPU (``jax.lax.platform_dependent``; GPUs and TPUs get ``einsum``); gradients
+LM head run. It calls a kernel (an XLA FFI custom call) only for float32 activations, 2-16 rows
+(1-16 with integer blocks, below), when lowering for the CPU (``jax.lax.platform_dependent``; GPUs and TPUs get ``einsum``); gradients
 use ``einsum`` (``jax.custom_vjp``); ``jax.vmap`` over ``x`` is supported. The kernel is
 compiled with the machine's C++ compiler (``$CXX``, default ``g++``; ``-O3 -march=native``)
 on first use into ``<cache dir>/kernels/`` (``EAGLE_JAX_CACHE``, see
@@ -21,8 +21,8 @@ Integer weights: a checkpoint stored in GGUF's block formats (Q4_0, Q4_1, Q8_0: 
 block, ``w = scale * q + offset``) keeps those blocks next to its float32 weights (:class:`Blocks`,
 set on a :class:`~eagle_jax.model.Linear` by the loader). For 1-16 rows :func:`linear` then
 reads the blocks instead of the float32 matrix: a quarter (8-bit) or about a sixth (4-bit) of the
-bytes, expanded chunk by chunk inside the kernel to exactly the float32 weights the checkpoint's
-own dequantization gives, so results equal the float32 product up to summation order. Each
+bytes, expanded in registers to exactly the float32 weights the checkpoint's own dequantization
+gives, so results equal the float32 product up to summation order. Each
 output is summed in the same order whatever the number of rows, so a token's logits have the
 same bits in a one-token decode step and in a verify pass over a tree.
 """
