@@ -190,7 +190,12 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_
 
   def verify_width(s: _SpecState, width: int, key) -> _SpecState:
     """The target pass over the first ``width`` nodes of ``s.draft`` (0: a plain decode step),
-    its verdict parked in ``s.pass_`` for the step's shared tail."""
+    its verdict parked in ``s.pass_`` for the step's shared tail.
+
+    The barrier keeps the pass inside its loop: the state it reads is loop-invariant there, and
+    XLA otherwise hoists every width's first-layer work (embedding, norm, the first products,
+    attention among the new tokens) out into the step, computing all widths every step."""
+    s = jax.lax.optimization_barrier(s)
     active_B = ~s.done_B
     draft = jax.tree.map(lambda x: x[:, :width], s.draft)
     cache, verdict, emitted_BxK, feats, depth_B = _target_pass(

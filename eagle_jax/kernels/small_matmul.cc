@@ -173,6 +173,45 @@ inline void Pieces(const float* x, const Quantized& qw, int64_t in, int64_t m0, 
   }
 }
 
+#ifdef __AVX512F__
+// Pieces for 4-bit blocks on AVX-512, both pieces of a block at once: a block's 16 possible
+// weights, scale * {0..15} + offset, form one vector (the same fused multiply-add Expand does per
+// weight, so the same bits), and each weight is that vector's lane picked by its nibble
+// (vpermps reads an index's low 4 bits: no mask for the low nibbles). One widening and one
+// permutation per 16 weights replace a conversion and a multiply-add; the token sums are added
+// in the order Pieces adds them.
+template <int TM, int R>
+inline void Pieces4(const float* x, const Quantized& qw, int64_t in, int64_t m0, int64_t o,
+                    int64_t b, vf (&acc)[R][TM]) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf lo[TM], hi[TM];
+  for (int t = 0; t < TM; ++t) {
+    lo[t] = Load<vf>(x + (m0 + t) * in + b * kBlock);
+    hi[t] = Load<vf>(x + (m0 + t) * in + b * kBlock + W);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t k = (o + r) * (in / kBlock) + b;
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(qw.scale[k]), _mm512_set1_ps(qw.offset[k]));
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint8_t*>(qw.q) + ((o + r) * in + b * kBlock) / 2)));
+    const vf w0 = reinterpret_cast<vf>(_mm512_permutexvar_ps(idx, table));
+    const vf w1 = reinterpret_cast<vf>(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table));
+    for (int t = 0; t < TM; ++t) acc[r][t] += w0 * lo[t];
+    for (int t = 0; t < TM; ++t) acc[r][t] += w1 * hi[t];
+  }
+}
+#endif
+
+// Requests every cache line of [p, p + bytes) at once. A group of R weight rows is read block
+// by block across its rows (R interleaved streams, 16-32 bytes each per step), which the
+// hardware prefetchers follow poorly: touching the whole group first lets its reads from memory
+// overlap. A one-off timing of the default model's Q8_0 head (49152 x 576, 35 MB) on a 2-core
+// EPYC: 2.0-2.7 ms per product without it, 1.5-1.8 ms with it (a few runs out of four);
+// prefetching one group or more ahead was slower than this.
+inline void Prefetch(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
+}
+
 // As Block, for integer-block weights expanded in registers: rows [o_begin, o_end) of y for
 // token rows [m0, m0 + TM), R weight rows at a time, then the rest one at a time. Every y value
 // takes the same operations in the same order whatever TM, R and m are.
@@ -180,10 +219,22 @@ template <int Bits, int TM, int R>
 void QBlock(const float* x, const Quantized& qw, float* y, int64_t in, int64_t out, int64_t m0,
             int64_t o_begin, int64_t o_end) {
   const int64_t nb = in / kBlock;
+  const int64_t row_bytes = Bits == 8 ? in : in / 2;
   int64_t o = o_begin;
   for (; o + R <= o_end; o += R) {
+    Prefetch(static_cast<const char*>(qw.q) + o * row_bytes, R * row_bytes);
+    Prefetch(qw.scale + o * nb, R * nb * 4);
+    Prefetch(qw.offset + o * nb, R * nb * 4);
     vf acc[R][TM] = {};
-    for (int64_t b = 0; b < nb; ++b) Pieces<Bits, TM, R, 0>(x, qw, in, m0, o, b, acc);
+    for (int64_t b = 0; b < nb; ++b) {
+#ifdef __AVX512F__
+      if constexpr (Bits == 4) {
+        Pieces4<TM, R>(x, qw, in, m0, o, b, acc);
+        continue;
+      }
+#endif
+      Pieces<Bits, TM, R, 0>(x, qw, in, m0, o, b, acc);
+    }
     for (int r = 0; r < R; ++r) {
       for (int t = 0; t < TM; ++t) y[(m0 + t) * out + o + r] = Hsum(acc[r][t]);
     }
