@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
-from eagle_jax.kernels import Blocks, linear
+from eagle_jax.kernels import Blocks, attend, linear
 
 
 class WeightBlocks(nnx.Variable):
@@ -174,26 +174,11 @@ class Attention(nnx.Module):
     # Products are batched over (row, kv head) with the g query heads of a group and the t
     # queries as one matrix: XLA's CPU dot is far faster on that shape than with t or g batched.
     q_BxKxMxDh = q_BxTxHxDh.reshape(b, t, kh, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
-
-    def scores(keys_BxKxSxDh, bias_BxTxS):
-      s_BxKxMxS = jnp.einsum("bkmd,bksd->bkms", q_BxKxMxDh, keys_BxKxSxDh.astype(q_BxKxMxDh.dtype))
-      s_BxKxGxTxS = s_BxKxMxS.reshape(b, kh, g, t, -1).astype(jnp.float32) + bias_BxTxS[:, None, None]
-      return s_BxKxGxTxS.reshape(b, kh, g * t, -1)
-
-    # One softmax over the parts (the old cache, the new tokens) without joining them: shared
-    # max, exponentials per part, and the mix normalised once at the end.
-    parts = [(scores(k_BxKxTxDh, bias.new_BxTxT), v_BxKxTxDh)]
+    # One softmax over the parts (the old cache, the new tokens) without joining them.
+    parts = [(k_BxKxTxDh, v_BxKxTxDh, bias.new_BxTxT)]
     if kv_cache is not None and bias.cache_BxTxS is not None:  # else nothing in the cache to read
-      parts.insert(0, (scores(kv_cache[0], bias.cache_BxTxS), kv_cache[1]))  # [B, K, S, Dh]
-    max_BxKxMx1 = jax.lax.stop_gradient(
-        functools.reduce(jnp.maximum, [sc.max(-1, keepdims=True) for sc, _ in parts]))
-    out_BxKxMxDh, denom_BxKxMx1 = 0.0, 0.0
-    for sc, values_BxKxSxDh in parts:
-      e_BxKxMxS = jnp.exp(sc - max_BxKxMx1)
-      denom_BxKxMx1 = denom_BxKxMx1 + e_BxKxMxS.sum(-1, keepdims=True)
-      out_BxKxMxDh = out_BxKxMxDh + jnp.einsum(
-          "bkms,bksd->bkmd", e_BxKxMxS.astype(x_BxTxD.dtype), values_BxKxSxDh.astype(x_BxTxD.dtype))
-    out_BxKxMxDh = (out_BxKxMxDh / denom_BxKxMx1).astype(x_BxTxD.dtype)
+      parts.insert(0, (kv_cache[0], kv_cache[1], bias.cache_BxTxS))  # [B, K, S, Dh]
+    out_BxKxMxDh = attend(q_BxKxMxDh, parts).astype(x_BxTxD.dtype)
     new_kv = None
     if kv_cache is not None:
       # Zero, but computed from the attention output: the write then depends on the reads of

@@ -1,4 +1,4 @@
-"""The CPU small-matmul kernel (eagle_jax.kernels) against XLA's einsum."""
+"""The CPU kernels (eagle_jax.kernels): small products against XLA's einsum, attention against its reference."""
 
 import math
 
@@ -134,3 +134,56 @@ def test_block_kernel_gradients_and_vmap():
   xb = jnp.stack([x, 2 * x])
   got = jax.jit(jax.vmap(lambda x: kernels.linear(x, w, b)))(xb)
   np.testing.assert_allclose(np.asarray(got), np.asarray(_einsum(xb, w)), rtol=1e-5, atol=1e-4)
+
+
+def _attention_operands(b, kh, g, t, s, d, tc, hidden_frac, seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  hide = jnp.finfo(jnp.float32).min
+  bias_c = jnp.where(jnp.asarray(rng.random((b, tc, s)) < hidden_frac), hide, 0.0).astype(jnp.float32)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  bias_n = jnp.broadcast_to(jnp.where(causal, 0.0, hide), (b, t, t)).astype(jnp.float32)
+  return f(b, kh, g * t, d), [(f(b, kh, s, d), f(b, kh, s, d), bias_c), (f(b, kh, t, d), f(b, kh, t, d), bias_n)]
+
+
+@pytest.mark.parametrize("b,kh,g,t,s,d,tc,hidden", [
+    (1, 3, 3, 1, 256, 64, 1, 0.3),   # a decode step of the default model
+    (2, 3, 3, 9, 100, 64, 9, 0.5),   # a verify pass over 9 nodes, a bias per new token
+    (1, 2, 4, 16, 33, 48, 1, 1.0),   # every cached slot hidden
+    (3, 1, 1, 2, 7, 128, 2, 0.0),
+])
+def test_attention_kernel_equals_reference(b, kh, g, t, s, d, tc, hidden):
+  q, parts = _attention_operands(b, kh, g, t, s, d, tc, hidden)
+  hlo = jax.jit(kernels.attend).lower(q, parts).as_text()
+  assert "eagle_jax_attend" in hlo
+  got = jax.jit(kernels.attend)(q, parts)
+  want = jax.jit(kernels.attend_reference)(q, parts)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
+
+
+def test_attention_kernel_all_hidden_row_and_fallbacks():
+  q, parts = _attention_operands(1, 2, 2, 3, 10, 32, 3, 0.0, seed=4)
+  hide = jnp.finfo(jnp.float32).min
+  (kc, vc, bc), (kn, vn, _) = parts
+  everything_hidden = [(kc, vc, jnp.full_like(bc, hide)), (kn, vn, jnp.full((1, 3, 3), hide))]
+  got = jax.jit(kernels.attend)(q, everything_hidden)  # no visible slot: weights as the biases give
+  want = kernels.attend_reference(q, everything_hidden)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
+  for q2, parts2 in [(q[..., :24], [(kc[..., :24], vc[..., :24], bc), (kn[..., :24], vn[..., :24], parts[1][2])]),
+                     (q.astype(jnp.bfloat16), parts), (q, parts[1:])]:
+    assert "eagle_jax_attend" not in jax.jit(kernels.attend).lower(q2, parts2).as_text()
+  q17, parts17 = _attention_operands(1, 1, 1, 17, 4, 16, 1, 0.0)
+  assert "eagle_jax_attend" not in jax.jit(kernels.attend).lower(q17, parts17).as_text()
+
+
+def test_attention_kernel_gradients_and_vmap():
+  q, parts = _attention_operands(1, 2, 2, 3, 12, 32, 1, 0.2, seed=5)
+  loss = lambda f: (lambda q, parts: jnp.sum(jnp.sin(f(q, parts))))
+  got = jax.grad(loss(kernels.attend), argnums=(0, 1))(q, parts)
+  want = jax.grad(loss(kernels.attend_reference), argnums=(0, 1))(q, parts)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5)
+  qb = jnp.stack([q, -q])
+  got = jax.jit(jax.vmap(lambda q: kernels.attend(q, parts)))(qb)
+  want = jax.vmap(lambda q: kernels.attend_reference(q, parts))(qb)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
