@@ -16,7 +16,6 @@ speculative verify step passes a tree's ancestor mask). ``lengths`` then advance
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 

@@ -207,8 +207,9 @@ inline void Pieces4(const float* x, const Quantized& qw, int64_t in, int64_t m0,
 // by block across its rows (R interleaved streams, 16-32 bytes each per step), which the
 // hardware prefetchers follow poorly: touching the whole group first lets its reads from memory
 // overlap. A one-off timing of the default model's Q8_0 head (49152 x 576, 35 MB) on a 2-core
-// EPYC: 2.0-2.7 ms per product without it, 1.5-1.8 ms with it (a few runs out of four);
-// prefetching one group or more ahead was slower than this.
+// EPYC (one-off C++ harness, noisy shared machine): 2.0-2.9 ms per product without it in 14
+// runs, 1.1-1.8 ms with it in most of about 20 runs (3 at 2.4-2.9 ms); prefetching one group or
+// more ahead was slower than this.
 inline void Prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
 }
