@@ -118,6 +118,13 @@ constexpr int W = 16;
 constexpr int W = 8;
 #endif
 constexpr int kPieces = kBlock / W;
+// Token rows whose values a block step keeps in registers (kPieces vectors each) beside the
+// accumulators; a step over more token rows holds the weights in registers instead.
+#ifdef __AVX512F__
+constexpr int kRegTokens = 4;
+#else
+constexpr int kRegTokens = 3;
+#endif
 typedef float vf __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
 typedef int8_t vi8 __attribute__((vector_size(W)));
@@ -145,32 +152,84 @@ inline vi Widen(const void* p) {
 #endif
 }
 
-// Piece P of the 32 weights of block b of row o, as float32.
-template <int Bits, int P>
-inline vf Expand(const Quantized& qw, int64_t in, int64_t o, int64_t b) {
-  const int64_t k = o * (in / kBlock) + b;
-  vi q;
-  if (Bits == 8) {
-    q = Widen<true>(static_cast<const int8_t*>(qw.q) + o * in + b * kBlock + P * W);
-  } else {  // values 0-15 are the low nibbles of the block's 16 bytes, 16-31 the high ones
-    q = Widen<false>(static_cast<const uint8_t*>(qw.q) + (o * in + b * kBlock) / 2 + (P * W) % 16);
-    q = P * W < 16 ? (q & 15) : (q >> 4);
+// The lanes of v summed as a tree (halves added, then their halves, ...): the same sum for every
+// call, in about 4 dependent steps where a sum in lane order takes W - 1. At one token row the
+// in-order sums of a group's accumulators took about a quarter of the kernel's time.
+inline float TreeHsum(vf v) {
+#if defined(__AVX512F__)
+  const __m512 z = reinterpret_cast<__m512>(v);
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(z),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+#else
+  for (int half = W / 2; half >= 1; half /= 2) {
+    for (int j = 0; j < half; ++j) v[j] += v[j + half];
   }
-  return __builtin_convertvector(q, vf) * qw.scale[k] + qw.offset[k];
+  return v[0];
+#endif
 }
 
-// Piece P of every block: acc[r][t] += weights(o + r) * x(m0 + t), piece by piece.
+// One weight row's place in a walk over its blocks: the block's integers, scale and offset. The
+// walk advances pointers block by block; computing each block's address from (row, block)
+// indices cost more scalar instructions than the vector work itself at one token row.
+template <int Bits>
+struct Cursor {
+  static constexpr int64_t kBytes = Bits == 8 ? kBlock : kBlock / 2;  // integers per block
+  const uint8_t* q = nullptr;
+  const float *scale = nullptr, *offset = nullptr;
+  Cursor() = default;
+  Cursor(const Quantized& qw, int64_t in, int64_t o)
+      : q(static_cast<const uint8_t*>(qw.q) + o * (in / kBlock) * kBytes),
+        scale(qw.scale + o * (in / kBlock)),
+        offset(qw.offset + o * (in / kBlock)) {}
+  void Next() {
+    q += kBytes;
+    ++scale;
+    ++offset;
+  }
+};
+
+// Piece P of the 32 weights of the cursor's block, as float32.
+template <int Bits, int P>
+inline vf Expand(const Cursor<Bits>& c) {
+  vi q;
+  if (Bits == 8) {
+    q = Widen<true>(c.q + P * W);
+  } else {  // values 0-15 are the low nibbles of the block's 16 bytes, 16-31 the high ones
+    q = Widen<false>(c.q + (P * W) % 16);
+    q = P * W < 16 ? (q & 15) : (q >> 4);
+  }
+  return __builtin_convertvector(q, vf) * *c.scale + *c.offset;
+}
+
+// Piece P of the current blocks: acc[r][t] += weights(row r) * x(token t), piece by piece. `x`
+// points at the block's first value of the first token row.
 template <int Bits, int TM, int R, int P>
-inline void Pieces(const float* x, const Quantized& qw, int64_t in, int64_t m0, int64_t o,
-                   int64_t b, vf (&acc)[R][TM]) {
+inline void Pieces(const float* x, int64_t in, const Cursor<Bits> (&rows)[R], vf (&acc)[R][TM]) {
   if constexpr (P < kPieces) {
-    vf xs[TM];
-    for (int t = 0; t < TM; ++t) xs[t] = Load<vf>(x + (m0 + t) * in + b * kBlock + P * W);
-    for (int r = 0; r < R; ++r) {
-      const vf w = Expand<Bits, P>(qw, in, o + r, b);
-      for (int t = 0; t < TM; ++t) acc[r][t] += w * xs[t];
+    if constexpr (TM > kRegTokens) {  // more token rows than registers: weights held, tokens loaded
+      vf w[R];
+      for (int r = 0; r < R; ++r) w[r] = Expand<Bits, P>(rows[r]);
+      for (int t = 0; t < TM; ++t) {
+        vf xs = Load<vf>(x + t * in + P * W);
+        __asm__("" : "+v"(xs));  // one load for all R rows
+        for (int r = 0; r < R; ++r) acc[r][t] += w[r] * xs;
+      }
+    } else {
+      vf xs[TM];
+      for (int t = 0; t < TM; ++t) {
+        xs[t] = Load<vf>(x + t * in + P * W);
+        __asm__("" : "+v"(xs[t]));  // kept in a register for all R rows (see Pieces4)
+      }
+      for (int r = 0; r < R; ++r) {
+        const vf w = Expand<Bits, P>(rows[r]);
+        for (int t = 0; t < TM; ++t) acc[r][t] += w * xs[t];
+      }
     }
-    Pieces<Bits, TM, R, P + 1>(x, qw, in, m0, o, b, acc);
+    Pieces<Bits, TM, R, P + 1>(x, in, rows, acc);
   }
 }
 
@@ -182,23 +241,40 @@ inline void Pieces(const float* x, const Quantized& qw, int64_t in, int64_t m0, 
 // permutation per 16 weights replace a conversion and a multiply-add; the token sums are added
 // in the order Pieces adds them.
 template <int TM, int R>
-inline void Pieces4(const float* x, const Quantized& qw, int64_t in, int64_t m0, int64_t o,
-                    int64_t b, vf (&acc)[R][TM]) {
+inline void Pieces4(const float* x, int64_t in, const Cursor<4> (&rows)[R], vf (&acc)[R][TM]) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  vf lo[TM], hi[TM];
-  for (int t = 0; t < TM; ++t) {
-    lo[t] = Load<vf>(x + (m0 + t) * in + b * kBlock);
-    hi[t] = Load<vf>(x + (m0 + t) * in + b * kBlock + W);
-  }
-  for (int r = 0; r < R; ++r) {
-    const int64_t k = (o + r) * (in / kBlock) + b;
-    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(qw.scale[k]), _mm512_set1_ps(qw.offset[k]));
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-        static_cast<const uint8_t*>(qw.q) + ((o + r) * in + b * kBlock) / 2)));
-    const vf w0 = reinterpret_cast<vf>(_mm512_permutexvar_ps(idx, table));
-    const vf w1 = reinterpret_cast<vf>(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table));
-    for (int t = 0; t < TM; ++t) acc[r][t] += w0 * lo[t];
-    for (int t = 0; t < TM; ++t) acc[r][t] += w1 * hi[t];
+  auto expand = [&](int r, vf& w0, vf& w1) {
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(*rows[r].scale),
+                                         _mm512_set1_ps(*rows[r].offset));
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r].q)));
+    w0 = reinterpret_cast<vf>(_mm512_permutexvar_ps(idx, table));
+    w1 = reinterpret_cast<vf>(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table));
+  };
+  if constexpr (TM > kRegTokens) {  // more token rows than registers: weights held, tokens loaded
+    vf w0[R], w1[R];
+    for (int r = 0; r < R; ++r) expand(r, w0[r], w1[r]);
+    for (int t = 0; t < TM; ++t) {
+      vf lo = Load<vf>(x + t * in), hi = Load<vf>(x + t * in + W);
+      __asm__("" : "+v"(lo), "+v"(hi));  // one load for all R rows
+      for (int r = 0; r < R; ++r) acc[r][t] += w0[r] * lo;
+      for (int r = 0; r < R; ++r) acc[r][t] += w1[r] * hi;
+    }
+  } else {
+    vf lo[TM], hi[TM];
+    for (int t = 0; t < TM; ++t) {
+      lo[t] = Load<vf>(x + t * in);
+      hi[t] = Load<vf>(x + t * in + W);
+      // Opaque to the compiler from here: it keeps the token values in registers for all R
+      // rows instead of folding a load from memory into every multiply-add (R times the loads;
+      // the loop was then bound by loads, about 40% slower at 4 token rows).
+      __asm__("" : "+v"(lo[t]), "+v"(hi[t]));
+    }
+    for (int r = 0; r < R; ++r) {
+      vf w0, w1;
+      expand(r, w0, w1);
+      for (int t = 0; t < TM; ++t) acc[r][t] += w0 * lo[t];
+      for (int t = 0; t < TM; ++t) acc[r][t] += w1 * hi[t];
+    }
   }
 }
 #endif
@@ -227,45 +303,65 @@ void QBlock(const float* x, const Quantized& qw, float* y, int64_t in, int64_t o
     Prefetch(static_cast<const char*>(qw.q) + o * row_bytes, R * row_bytes);
     Prefetch(qw.scale + o * nb, R * nb * 4);
     Prefetch(qw.offset + o * nb, R * nb * 4);
+    Cursor<Bits> rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = Cursor<Bits>(qw, in, o + r);
     vf acc[R][TM] = {};
-    for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + m0 * in;
+    for (int64_t b = 0; b < nb; ++b, xb += kBlock) {
 #ifdef __AVX512F__
       if constexpr (Bits == 4) {
-        Pieces4<TM, R>(x, qw, in, m0, o, b, acc);
-        continue;
+        Pieces4<TM, R>(xb, in, rows, acc);
+      } else {
+        Pieces<Bits, TM, R, 0>(xb, in, rows, acc);
       }
+#else
+      Pieces<Bits, TM, R, 0>(xb, in, rows, acc);
 #endif
-      Pieces<Bits, TM, R, 0>(x, qw, in, m0, o, b, acc);
+      for (int r = 0; r < R; ++r) rows[r].Next();
     }
     for (int r = 0; r < R; ++r) {
-      for (int t = 0; t < TM; ++t) y[(m0 + t) * out + o + r] = Hsum(acc[r][t]);
+      for (int t = 0; t < TM; ++t) y[(m0 + t) * out + o + r] = TreeHsum(acc[r][t]);
     }
   }
   if (R > 1 && o < o_end) QBlock<Bits, TM, 1>(x, qw, y, in, out, m0, o, o_end);
 }
 
-// Registers: R x TM accumulators, TM token vectors, one weight vector, scale and offset.
+// Token rows per pass over the weights, and weight rows per step: R x TM accumulators and either
+// TM token vectors (TM <= kRegTokens) or R weight vectors fit the vector registers.
 #ifdef __AVX512F__
-constexpr int kQRows = 4, kQTokens = 4;  // 32 registers
+constexpr int kQTokens = 8;  // 32 registers
+template <int TM> constexpr int kQRows = TM <= kRegTokens ? 4 : 2;
 #else
-constexpr int kQRows = 2, kQTokens = 3;  // 16 registers
+constexpr int kQTokens = 3;  // 16 registers
+template <int TM> constexpr int kQRows = 2;
 #endif
 
+template <int Bits, int TM>
+void QPass(const float* x, const Quantized& qw, float* y, int64_t m, int64_t in, int64_t out,
+           int64_t m0, int64_t c, int64_t e) {
+  if constexpr (TM >= 1) {
+    if (m - m0 == TM) {
+      QBlock<Bits, TM, kQRows<TM>>(x, qw, y, in, out, m0, c, e);
+    } else {
+      QPass<Bits, TM - 1>(x, qw, y, m, in, out, m0, c, e);
+    }
+  }
+}
+
+// Every token row over weight rows [c, e): passes of kQTokens token rows, then one pass over the
+// rest, so up to kQTokens rows read each weight block once.
 template <int Bits>
 void QSpan(const float* x, const Quantized& qw, float* y, int64_t m, int64_t in, int64_t out,
            int64_t c, int64_t e) {
   int64_t m0 = 0;
-  for (; m0 + kQTokens <= m; m0 += kQTokens) QBlock<Bits, kQTokens, kQRows>(x, qw, y, in, out, m0, c, e);
-  switch (m - m0) {
-    case 3: QBlock<Bits, 3, kQRows>(x, qw, y, in, out, m0, c, e); break;
-    case 2: QBlock<Bits, 2, kQRows>(x, qw, y, in, out, m0, c, e); break;
-    case 1: QBlock<Bits, 1, kQRows>(x, qw, y, in, out, m0, c, e); break;
-    default: break;
+  for (; m0 + kQTokens <= m; m0 += kQTokens) {
+    QBlock<Bits, kQTokens, kQRows<kQTokens>>(x, qw, y, in, out, m0, c, e);
   }
+  if (m0 < m) QPass<Bits, kQTokens - 1>(x, qw, y, m, in, out, m0, c, e);
 }
 
 // All token rows for weight rows [o_begin, o_end): the rows are walked in chunks that stay in
-// L1 while every group of up to 3 token rows passes over them, so weights come from memory
+// L1 while every pass of token rows goes over them, so weights come from memory
 // once. Integer-block weights (qw.q set) are expanded to float32 in registers as they are used.
 void Rows(const float* x, const float* w, const Quantized& qw, float* y, int64_t m, int64_t in,
           int64_t out, int64_t o_begin, int64_t o_end) {
