@@ -127,7 +127,7 @@ class Linear(nnx.Module):
   matrix-vector products than ``[in, out]``, and checkpoints load without transposes. Products
   over 2-16 rows (verify passes over small trees) go to a CPU kernel, :mod:`eagle_jax.kernels`,
   which reads ``blocks`` (the weight's integer blocks, set by the loader for GGUF checkpoints)
-  instead of ``weight`` where they exist, for 1-16 rows.
+  instead of ``weight`` where they exist, for 1-32 rows.
   """
 
   def __init__(self, din: int, dout: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32):

@@ -99,21 +99,21 @@ def test_block_kernel_equals_float32_product_and_each_row_alone(bits, din, dout)
   b = _blocks(dout, din, bits)
   w = jnp.asarray(b.dequantize())
   f = jax.jit(kernels.linear)
-  for lead in [(1,), (2,), (1, 3), (7,), (16,), (17,)]:
+  for lead in [(1,), (2,), (1, 3), (5,), (7,), (9,), (16,), (17,), (2, 13), (33,)]:
     x = jnp.asarray(np.random.default_rng(1).standard_normal(lead + (din,)), jnp.float32)
     got = f(x, w, b)
     np.testing.assert_allclose(np.asarray(got), np.asarray(_einsum(x, w)), rtol=1e-5,
                                atol=1e-5 * np.sqrt(din))
-    if math.prod(lead) <= kernels.MAX_ROWS:  # each row's bits do not depend on the others
+    if math.prod(lead) <= kernels.BLOCK_MAX_ROWS:  # each row's bits do not depend on the others
       flat = x.reshape(-1, din)
       alone = np.stack([np.asarray(f(flat[i:i + 1], w, b))[0] for i in range(flat.shape[0])])
       np.testing.assert_array_equal(np.asarray(got).reshape(alone.shape), alone)
 
 
-def test_block_kernel_taken_for_1_to_16_rows_with_matching_blocks():
+def test_block_kernel_taken_for_1_to_32_rows_with_matching_blocks():
   b = _blocks(96, 64, 4)
   w = jnp.asarray(b.dequantize())
-  for rows, taken in [(1, True), (2, True), (16, True), (17, False)]:
+  for rows, taken in [(1, True), (2, True), (16, True), (17, True), (32, True), (33, False)]:
     x = jnp.ones((rows, 64), jnp.float32)
     hlo = jax.jit(kernels.linear).lower(x, w, b).as_text()
     assert ("eagle_jax_block_matmul" in hlo) == taken, rows

@@ -7,8 +7,9 @@
 // rows over a small pool of worker threads. Built on first use by eagle_jax/kernels/__init__.py.
 //
 // BlockMatmul is the same product with w given as GGUF-style integer blocks (32 weights, one
-// scale and offset each), expanded to float32 in registers as they are used, for 1..16 rows:
-// a quarter to a sixth of the bytes, and at one row no longer bound by memory on two cores.
+// scale and offset each), expanded to float32 in registers as they are used, for 1..32 rows
+// (passes of up to 8): a quarter to a sixth of the bytes, and at one row no longer bound by
+// memory on two cores.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
