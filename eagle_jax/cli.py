@@ -114,7 +114,7 @@ def _cmd_tune(args) -> None:
   cfg = TrainConfig(name="tune", drafter="eagle1", tune=TuneConfig(
       prompts=args.prompts, top_ks=ints(args.top_ks), depths=ints(args.depths),
       max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
-      draft_vocabs=ints(args.draft_vocabs)))
+      draft_vocabs=ints(args.draft_vocabs), head_bits=args.head_bits))
   if read_meta(args.checkpoint).get("drafter") == "medusa":
     result = tune_medusa(args.checkpoint, lm, cfg)
   else:
@@ -151,6 +151,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                  help="eagle1/2: draft only the K most frequent training-reply tokens, through "
                  "their rows of the target's LM head (0 = whole vocabulary; default: eagle2's "
                  "tuned value, else whole)")
+  p.add_argument("--head-bits", type=int, default=-1, choices=(-1, 0, 8),
+                 help="eagle1/2/3: the head's weights as 8-bit blocks (8) or float32 as trained "
+                 "(0); default: the tuned value (eagle2/eagle3), else 0")
   p.add_argument("--self-draft-layers", type=int, default=0,
                  help="self-draft: target layers used as the draft (0 = a third)")
 
@@ -170,7 +173,8 @@ def _drafter_options(args):
                         draft_model=args.drafter_ckpt,
                         self_draft_layers=args.self_draft_layers, top_k=args.top_k_tree,
                         depth=args.depth, total_tokens=args.total_tokens, tree=args.tree,
-                        draft_vocab=args.draft_vocab, runs_dir=args.runs_dir)
+                        draft_vocab=args.draft_vocab, head_bits=args.head_bits,
+                        runs_dir=args.runs_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
   tu.add_argument("--draft-vocabs", default="8192", help="EAGLE-1/2: comma-separated reduced "
                   "draft vocabulary sizes to try besides the whole vocabulary ('' = none)")
   tu.add_argument("--max-new-tokens", type=int, default=48)
+  tu.add_argument("--head-bits", type=int, default=8, choices=(0, 8),
+                  help="EAGLE: tune (and then draft) with the head's weights as 8-bit blocks (8) "
+                  "or float32 as trained (0)")
   tu.set_defaults(func=_cmd_tune)
 
   d = sub.add_parser("demo", help="chat answers to a few MT-bench questions")

@@ -50,6 +50,7 @@ class MethodConfig:
   total_tokens: int = 0
   tree: Literal["", "default"] = ""
   draft_vocab: int = -1  # eagle1/eagle2 (see DrafterOptions.draft_vocab)
+  head_bits: int = -1  # eagle1/2/3 (see DrafterOptions.head_bits)
   self_draft_layers: int = 0
   pld_min_ngram: int = 2
   pld_max_ngram: int = 3
@@ -142,7 +143,8 @@ def drafter_for(method: MethodConfig, target, cfg: ExperimentConfig, checkpoint:
                         pld_max_ngram=method.pld_max_ngram, pld_widths=method.pld_widths, draft_model=checkpoint or None,
                         self_draft_layers=method.self_draft_layers, top_k=method.top_k,
                         depth=method.depth, total_tokens=method.total_tokens, tree=method.tree,
-                        draft_vocab=method.draft_vocab, runs_dir=cfg.runs_dir)
+                        draft_vocab=method.draft_vocab, head_bits=method.head_bits,
+                        runs_dir=cfg.runs_dir)
   return make_drafter(method.kind, target, opts, cfg.model)
 
 

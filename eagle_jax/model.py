@@ -22,6 +22,7 @@ from typing import Sequence
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
@@ -138,6 +139,23 @@ class Linear(nnx.Module):
   def __call__(self, x_BxTxI: jax.Array) -> jax.Array:
     y = linear(x_BxTxI, self.weight[...], blocks_of(self.blocks))
     return y if self.bias is None else y + self.bias[...]
+
+
+def quantize_linears(module: nnx.Module) -> int:
+  """Rounds every float32 :class:`Linear` in ``module`` without integer blocks (and a width that
+  is a multiple of 32) to 8-bit blocks (:meth:`eagle_jax.kernels.Blocks.quantize8`): its weight
+  becomes the blocks' float32 expansion, so every backend computes with the same weights, and
+  the CPU kernel reads the blocks (a quarter of the bytes) for passes over 1-32 rows. For
+  drafters, whose weights need not be exact: their output is verified. Returns how many."""
+  count = 0
+  for _, lin in nnx.iter_graph(module):
+    if (isinstance(lin, Linear) and lin.blocks is None and lin.weight.dtype == jnp.float32
+        and lin.weight.shape[1] % 32 == 0):
+      blocks = Blocks.quantize8(np.asarray(lin.weight[...]))
+      lin.weight.value = jnp.asarray(blocks.dequantize())
+      lin.blocks = WeightBlocks(jax.tree.map(jnp.asarray, blocks))
+      count += 1
+  return count
 
 
 def _linear(din, dout, bias, rngs, param_dtype):

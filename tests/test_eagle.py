@@ -47,6 +47,30 @@ def test_greedy_equals_vanilla_tiny(tiny, version, tree, stop):
 
 
 @pytest.mark.parametrize("version", [1, 3])
+def test_head_in_8bit_blocks_stays_lossless(tiny, version):
+  """head_bits=8: the head's linears read 8-bit blocks (the kernel on the CPU); drafts may
+  change, the output may not."""
+  from eagle_jax.kernels import BLOCK
+  from eagle_jax.model import Linear, quantize_linears
+
+  target = tiny()
+  head = make_head(target.config, version, draft_vocab=96 if version == 3 else 0)
+  before = {id(l): np.asarray(l.weight[...]) for _, l in nnx.iter_graph(head) if isinstance(l, Linear)}
+  assert quantize_linears(head) == len(before) > 0
+  for _, lin in nnx.iter_graph(head):
+    if isinstance(lin, Linear):
+      blocks = lin.blocks.get_value()
+      np.testing.assert_array_equal(np.asarray(lin.weight[...]), blocks.dequantize())
+      scale = np.repeat(np.asarray(blocks.scale_OxN), BLOCK, axis=1)
+      assert (np.abs(np.asarray(lin.weight[...]) - before[id(lin)]) <= scale / 2 * (1 + 1e-5) + 1e-12).all()
+  assert quantize_linears(head) == 0  # already in blocks
+  drafter, dparams = EagleDrafter.create(head, target, TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES))
+  ref = generate(target, PROMPTS, max_new_tokens=30, stop_ids=())
+  assert speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=30,
+                              stop_ids=()).tokens == ref.tokens
+
+
+@pytest.mark.parametrize("version", [1, 3])
 def test_chain_drafting_equals_training_unroll(tiny, version):
   """A drafted chain is what the training-time unroll predicts on the same tokens."""
   target = tiny()
@@ -204,3 +228,14 @@ def test_method_spec_sets_drafter_options_per_row():
     method_spec("eagle2:top_k=many", base)
   with pytest.raises(EagleJaxError, match="unknown drafter 'eagle9'"):
     method_spec("eagle9:top_k=2", base)
+
+
+def test_dynamic_tree_depth_capped_at_its_node_budget(tiny):
+  """A tree of n nodes is never deeper than n: expanding further would cost draft steps whose
+  nodes could never be kept."""
+  target = tiny()
+  head = make_head(target.config, 1)
+  drafter, _ = EagleDrafter.create(head, target, None, top_k=4, depth=6, total_tokens=2)
+  assert drafter.depth == drafter.max_depth == 2
+  drafter, _ = EagleDrafter.create(head, target, None, top_k=4, depth=3, total_tokens=10)
+  assert drafter.depth == 3

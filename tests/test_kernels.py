@@ -187,3 +187,19 @@ def test_attention_kernel_gradients_and_vmap():
   got = jax.jit(jax.vmap(lambda q: kernels.attend(q, parts)))(qb)
   want = jax.vmap(lambda q: kernels.attend_reference(q, parts))(qb)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
+
+
+def test_quantize8_rounds_each_block_to_its_own_scale():
+  rng = np.random.default_rng(5)
+  w = rng.standard_normal((6, 96)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)
+  w[2, 32:64] = 0.0  # an all-zero block stays zero
+  b = kernels.Blocks.quantize8(w)
+  assert b.bits == 8 and b.shape == (6, 96) and not np.asarray(b.offset_OxN).any()
+  q, scale = np.asarray(b.q_OxQ).reshape(6, 3, 32), np.asarray(b.scale_OxN)
+  assert np.abs(q).max() <= 127 and scale[2, 1] == 0 and not q[2, 1].any()
+  nonzero = scale > 0
+  assert (np.abs(q).max(-1)[nonzero] == 127).all()  # each block's largest weight is +-127 steps
+  err = np.abs(b.dequantize() - w).reshape(6, 3, 32).max(-1)
+  assert (err <= scale / 2 * (1 + 1e-5) + 1e-12).all()
+  with pytest.raises(ValueError, match="multiple of 32"):
+    kernels.Blocks.quantize8(np.ones((4, 40), np.float32))

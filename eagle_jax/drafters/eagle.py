@@ -87,6 +87,8 @@ class EagleDrafter:
     if draft_ids is not None and head.lm_head is not None:
       raise EagleJaxError("an EAGLE-3 head drafts over the vocabulary it was trained with; "
                           "a draft vocabulary applies to EAGLE-1/2 heads")
+    if "depth" in dynamic and "total_tokens" in dynamic:  # n nodes are never deeper than n
+      dynamic["depth"] = min(dynamic["depth"], dynamic["total_tokens"])
     graphdef, state = nnx.split(head)
     frozen = Frozen.of(target, draft_ids)
     size = 0 if frozen.d2t_K is None else int(frozen.d2t_K.shape[0])

@@ -9,7 +9,7 @@ import os
 from eagle_jax.drafters.draft_model import DraftModelDrafter, self_draft_model
 from eagle_jax.drafters.pld import PromptLookupDrafter, check_widths
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model import Transformer
+from eagle_jax.model import Transformer, quantize_linears
 
 DRAFTERS = ("vanilla", "pld", "pld-static", "draft-model", "self-draft", "medusa", "eagle1", "eagle2", "eagle3")
 EAGLE_VERSION = {"eagle1": 1, "eagle2": 1, "eagle3": 3}  # EAGLE-2 drafts with EAGLE-1 weights
@@ -30,6 +30,10 @@ class DrafterOptions:
   # eagle1/eagle2: draft over the K most frequent training-reply tokens through their rows of
   # the target's LM head (FR-Spec); 0 = the whole vocabulary, -1 = the checkpoint's tuned value
   draft_vocab: int = -1
+  # eagle1/2/3: 8 = the head's own weights rounded to 8-bit blocks (a quarter of the bytes per
+  # draft step through the CPU kernel; drafts may change, the output cannot), 0 = as trained,
+  # -1 = the checkpoint's tuned value (eagle2/eagle3), else as trained
+  head_bits: int = -1
   runs_dir: str = "runs"  # where trained drafters are looked up when no checkpoint is given
 
 
@@ -133,6 +137,11 @@ def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: s
     raise EagleJaxError(f"{path}: holds an EAGLE-{head.config.version} head; --drafter {name} "
                         f"needs EAGLE-{EAGLE_VERSION[name]}")
   tuned = meta.get("budget", {}) if name != "eagle1" else {}
+  bits = options.head_bits if options.head_bits >= 0 else tuned.get("head_bits", 0)
+  if bits not in (0, 8):
+    raise EagleJaxError(f"head_bits must be 0 (float32, as trained) or 8; got {bits}")
+  if bits == 8:
+    quantize_linears(head)
   vocab = options.draft_vocab if options.draft_vocab >= 0 else tuned.get("draft_vocab", 0)
   if vocab and name == "eagle3":
     raise EagleJaxError("--draft-vocab applies to eagle1/eagle2; eagle3 drafts over the "

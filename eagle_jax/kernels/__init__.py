@@ -149,6 +149,21 @@ class Blocks:
     return cls(*(np.concatenate([np.asarray(getattr(p, f)) for p in parts])
                  for f in ("q_OxQ", "scale_OxN", "offset_OxN")))
 
+  @classmethod
+  def quantize8(cls, w_OxI) -> "Blocks":
+    """Symmetric 8-bit blocks of a float32 weight ``[out, in]`` (``in`` a multiple of 32), by
+    GGUF's Q8_0 rule: per block ``scale = max |w| / 127``, ``q = round(w / scale)``; the scale
+    stays float32. For weights trained here (drafter heads) that the kernel should read at a
+    quarter of the bytes; :meth:`dequantize` gives the weight it then multiplies by."""
+    w = np.asarray(w_OxI, np.float32)
+    if w.ndim != 2 or w.shape[1] % BLOCK:
+      raise ValueError(f"8-bit blocks need a [out, in] weight with in a multiple of {BLOCK}; got {w.shape}")
+    b = w.reshape(w.shape[0], -1, BLOCK)
+    scale = (np.abs(b).max(-1) / 127).astype(np.float32)
+    safe = np.where(scale > 0, scale, 1).astype(np.float32)
+    q = np.clip(np.rint(b / safe[..., None]), -127, 127).astype(np.int8)
+    return cls(q.reshape(w.shape), scale, np.zeros_like(scale))
+
   def take(self, rows) -> "Blocks":
     return Blocks(self.q_OxQ[rows], self.scale_OxN[rows], self.offset_OxN[rows])
 
