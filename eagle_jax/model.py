@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
-from eagle_jax.kernels import Blocks, attend, linear
+from eagle_jax.kernels import BLOCK, Blocks, attend, linear
 
 
 class WeightBlocks(nnx.Variable):
@@ -150,7 +150,7 @@ def quantize_linears(module: nnx.Module) -> int:
   count = 0
   for _, lin in nnx.iter_graph(module):
     if (isinstance(lin, Linear) and lin.blocks is None and lin.weight.dtype == jnp.float32
-        and lin.weight.shape[1] % 32 == 0):
+        and lin.weight.shape[1] % BLOCK == 0):
       blocks = Blocks.quantize8(np.asarray(lin.weight[...]))
       lin.weight.value = jnp.asarray(blocks.dequantize())
       lin.blocks = WeightBlocks(jax.tree.map(jnp.asarray, blocks))

@@ -23,9 +23,9 @@ from eagle_jax.distill import DraftModelConfig
 from eagle_jax.configs import dump_config, load_config, read_yaml, to_dict
 from eagle_jax.costs import verify_cost_up_to
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model import quantize_linears
 from eagle_jax.exported import (export_drafter, final_folder, load_drafter, load_head,
                                 save_token_counts, write_meta)
+from eagle_jax.model import quantize_linears
 from eagle_jax.train import LoopConfig, OptimConfig
 
 DEFAULT_RUNS_DIR = "runs"
