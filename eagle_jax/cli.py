@@ -152,8 +152,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                  "their rows of the target's LM head (0 = whole vocabulary; default: eagle2's "
                  "tuned value, else whole)")
   p.add_argument("--head-bits", type=int, default=-1, choices=(-1, 0, 8),
-                 help="eagle1/2/3: the head's weights as 8-bit blocks (8) or float32 as trained "
-                 "(0); default: the tuned value (eagle2/eagle3), else 0")
+                 help="eagle1/2/3, medusa: the head's weights (Medusa: its output layers) as 8-bit "
+                 "blocks (8) or float32 as trained (0); default: the tuned value (eagle2, eagle3, "
+                 "medusa), else 0")
   p.add_argument("--self-draft-layers", type=int, default=0,
                  help="self-draft: target layers used as the draft (0 = a third)")
 
@@ -259,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "draft vocabulary sizes to try besides the whole vocabulary ('' = none)")
   tu.add_argument("--max-new-tokens", type=int, default=48)
   tu.add_argument("--head-bits", type=int, default=8, choices=(0, 8),
-                  help="EAGLE: tune (and then draft) with the head's weights as 8-bit blocks (8) "
-                  "or float32 as trained (0)")
+                  help="EAGLE, Medusa: tune (and then draft) with the head's weights as 8-bit "
+                  "blocks (8) or float32 as trained (0)")
   tu.set_defaults(func=_cmd_tune)
 
   d = sub.add_parser("demo", help="chat answers to a few MT-bench questions")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.model import KVCache
+from eagle_jax.sampling import greedy_token
 
 _VERIFY_MS: dict = {}  # per process: (architecture, dtype, backend, prefix, repeats, n) -> ms
 
@@ -53,7 +54,7 @@ def verify_cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 192, 
       tokens, cache = carry
       out = m(tokens, cache.lengths_B[:, None] + jnp.arange(t)[None], cache,
               num_valid_B=jnp.zeros((1,), jnp.int32))
-      return jnp.argmax(out.logits_BxTxV, -1).astype(tokens.dtype), out.cache
+      return greedy_token(out.logits_BxTxV).astype(tokens.dtype), out.cache
 
     return jax.lax.fori_loop(0, chain, body, (tokens, cache))
 

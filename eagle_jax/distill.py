@@ -29,6 +29,7 @@ from eagle_jax.eagle_train import _shift
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.features import segment_mask
 from eagle_jax.model import KVCache, Transformer
+from eagle_jax.sampling import greedy_token
 from eagle_jax.train import sample_positions
 
 
@@ -158,7 +159,8 @@ def distill_loss(draft: Transformer, frozen: Frozen, batch, key, *, train: bool,
   """
   tokens, pos, seg, am = batch["tokens"], batch["positions"], batch["segments"], batch["target_argmax"]
   valid_BxT = (seg > 0) & batch["loss_mask"]
-  h_BxTxD = draft(tokens, pos, None, mask_BxTxT=segment_mask(seg), with_logits=False).hidden_BxTxD
+  h_BxTxD = draft(tokens, pos, None, mask_BxTxT=segment_mask(seg), with_logits=False,
+                  causal=True).hidden_BxTxD
   teacher_BxTxD = jax.lax.stop_gradient(batch["hidden"])
   if train:
     idx_BxN, w_BxN = sample_positions(key, valid_BxT, positions_per_row)
@@ -210,7 +212,7 @@ def _decode_step_ms(model: Transformer, steps: int, context: int, repeats: int) 
     def body(_, carry):
       cache, tok_1x1 = carry
       out = m(tok_1x1, cache.lengths_B[:, None], cache)
-      return out.cache, jnp.argmax(out.logits_BxTxV, -1).astype(jnp.int32)
+      return out.cache, greedy_token(out.logits_BxTxV)
 
     return jax.lax.fori_loop(0, steps, body, (cache, tok_1x1))[1]
 

@@ -50,7 +50,7 @@ class MethodConfig:
   total_tokens: int = 0
   tree: Literal["", "default"] = ""
   draft_vocab: int = -1  # eagle1/eagle2 (see DrafterOptions.draft_vocab)
-  head_bits: int = -1  # eagle1/2/3 (see DrafterOptions.head_bits)
+  head_bits: int = -1  # eagle1/2/3, medusa (see DrafterOptions.head_bits)
   self_draft_layers: int = 0
   pld_min_ngram: int = 2
   pld_max_ngram: int = 3

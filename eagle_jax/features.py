@@ -89,9 +89,10 @@ def _forward_fn(graphdef, layers):
   @jax.jit
   def fwd(state, tokens, positions, segments):
     model = nnx.merge(graphdef, state)
-    out = model(tokens, positions, None, mask_BxTxT=segment_mask(segments), return_layers=layers)
+    out = model(tokens, positions, None, mask_BxTxT=segment_mask(segments), return_layers=layers,
+                with_logits=False, causal=True)
     stack = jnp.stack(out.layer_hiddens, 2) if layers else jnp.zeros(tokens.shape + (0, 1))
-    return (jnp.argmax(out.logits_BxTxV, -1).astype(jnp.int32),
+    return (model.greedy_tokens(out.hidden_BxTxD),
             out.hidden_BxTxD.astype(jnp.bfloat16), stack.astype(jnp.bfloat16))
   return fwd
 

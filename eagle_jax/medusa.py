@@ -32,6 +32,8 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.kernels import Blocks, linear
+from eagle_jax.model import WeightBlocks, blocks_of
 from eagle_jax.train import sample_positions
 
 
@@ -68,18 +70,41 @@ class MedusaHeads(nnx.Module):
     else:
       out = jnp.broadcast_to(jnp.asarray(lm_head_VxD, jnp.float32)[None], (k, v, d))
     self.out_KxVxD = nnx.Param(jnp.array(out))
+    self.out_blocks: WeightBlocks | None = nnx.data(None)  # per head, set by quantize8
 
-  def features(self, h_xD: jax.Array) -> jax.Array:
-    """``[..., D] -> [..., K, D]``: each head's residual stack applied to the target feature."""
-    x = jnp.broadcast_to(h_xD[..., None, :], h_xD.shape[:-1] + (self.config.num_heads, h_xD.shape[-1]))
+  def quantize8(self) -> None:
+    """Rounds each head's output layer to 8-bit blocks (:meth:`eagle_jax.kernels.Blocks.quantize8`;
+    the float32 weights become their expansion, so every backend uses the same weights), which
+    the CPU kernel then reads at a quarter of the bytes: the output layers are nearly all of
+    Medusa's weights (49,152 x 576 per head for the default target). For drafting only: drafts
+    may change, verified outputs cannot."""
+    if self.out_blocks is not None:
+      return
+    blocks = tuple(Blocks.quantize8(np.asarray(w)) for w in np.asarray(self.out_KxVxD[...]))
+    self.out_KxVxD.value = jnp.asarray(np.stack([b.dequantize() for b in blocks]))
+    self.out_blocks = WeightBlocks(tuple(jax.tree.map(jnp.asarray, b) for b in blocks))
+
+  def features(self, h_xD: jax.Array, num_heads: int | None = None) -> jax.Array:
+    """``[..., D] -> [..., K, D]``: each head's residual stack applied to the target feature
+    (the first ``num_heads`` heads; all by default)."""
+    k = num_heads or self.config.num_heads
+    x = jnp.broadcast_to(h_xD[..., None, :], h_xD.shape[:-1] + (k, h_xD.shape[-1]))
     for i in range(self.config.num_layers):
-      y = jnp.einsum("...kd,ked->...ke", x, self.res_w_KxLxDxD[:, i]) + self.res_b_KxLxD[:, i]
+      y = jnp.einsum("...kd,ked->...ke", x, self.res_w_KxLxDxD[:k, i]) + self.res_b_KxLxD[:k, i]
       x = x + jax.nn.silu(y)
     return x
 
-  def __call__(self, h_xD: jax.Array) -> jax.Array:
-    """``[..., D] -> [..., K, V]`` fp32 logits of every head."""
-    return jnp.einsum("...kd,kvd->...kv", self.features(h_xD), self.out_KxVxD[...]).astype(jnp.float32)
+  def __call__(self, h_xD: jax.Array, num_heads: int | None = None) -> jax.Array:
+    """``[..., D] -> [..., K, V]`` fp32 logits of the first ``num_heads`` heads (all by
+    default): a tree ``d`` deep needs only heads ``0..d-1``, and each head's output layer is as
+    large as the target's LM head."""
+    k = num_heads or self.config.num_heads
+    x_xKxD = self.features(h_xD, k)
+    blocks = blocks_of(self.out_blocks)
+    if blocks is None:
+      return jnp.einsum("...kd,kvd->...kv", x_xKxD, self.out_KxVxD[:k]).astype(jnp.float32)
+    return jnp.stack([linear(x_xKxD[..., i, :], self.out_KxVxD[i], blocks[i]) for i in range(k)],
+                     axis=-2).astype(jnp.float32)
 
 
 def _shift(x_BxT, s, fill=0):
@@ -174,26 +199,42 @@ def expected_tau(acc_KxR, choices) -> float:
   return total
 
 
-def tune_tree(drafter_cost_ms: float, acc_KxR, curve: dict[int, float], max_nodes: int = 64) -> dict:
-  """Node budget maximising predicted tokens/s = tau(n) / (c(n + 1) + draft cost)."""
+def tune_tree(drafter_cost_ms, acc_KxR, curve: dict[int, float], max_nodes: int = 64) -> dict:
+  """Node budget maximising predicted tokens/s = tau(n) / (c(n + 1) + draft cost).
+
+  ``drafter_cost_ms``: one draft step's ms, or ms by tree depth (``{1: ..., 2: ...}``: a tree
+  ``d`` deep runs only heads ``0..d-1``). With costs by depth, the best trees using only the
+  first ``d`` heads are candidates too, each priced at its own depth."""
   from eagle_jax.tree import MEDUSA_DEFAULT_CHOICES
 
   xs = sorted(curve)
   n_max = min(max_nodes, xs[-1] - 1)
-  choices, probs = best_tree(acc_KxR, n_max)
-  rows = []
-  for n in range(1, len(choices) + 1):
-    tau = 1 + sum(probs[:n])
-    cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + drafter_cost_ms
-    rows.append({"total_tokens": n, "tau": round(tau, 3), "ms_per_step": round(cost, 2),
-                 "tokens_per_s": round(1000 * tau / cost, 2)})
+  acc = np.asarray(acc_KxR, np.float64)
+  by_depth = drafter_cost_ms if isinstance(drafter_cost_ms, dict) else None
+  rows, trees = [], {}
+  for limit in (range(1, acc.shape[0] + 1) if by_depth else (acc.shape[0],)):
+    choices, probs = best_tree(acc[:limit], n_max)
+    for n in range(1, len(choices) + 1):
+      depth = max(len(c) for c in choices[:n])
+      if depth < limit:
+        continue  # the same tree as under a smaller limit
+      tau = 1 + sum(probs[:n])
+      draft = by_depth[depth] if by_depth else drafter_cost_ms
+      cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + draft
+      trees[(n, depth)] = choices[:n]
+      rows.append({"total_tokens": n, "depth": depth, "tau": round(tau, 3),
+                   "ms_per_step": round(cost, 2), "tokens_per_s": round(1000 * tau / cost, 2)})
   best = max(rows, key=lambda r: r["tokens_per_s"])
   vanilla = 1000 / curve[xs[0]] if xs[0] == 1 else float("nan")
-  return {"total_tokens": best["total_tokens"], "tree": [list(c) for c in choices[:best["total_tokens"]]],
+  return {"total_tokens": best["total_tokens"],
+          "tree": [list(c) for c in trees[(best["total_tokens"], best["depth"])]],
           "predicted_tau": best["tau"], "predicted_tokens_per_s": best["tokens_per_s"],
           "vanilla_tokens_per_s": round(vanilla, 2),
           "predicted_speedup": round(best["tokens_per_s"] / vanilla, 3),
           "default63_predicted_tau": round(expected_tau(acc_KxR, MEDUSA_DEFAULT_CHOICES), 3),
-          "draft_ms": round(drafter_cost_ms, 2), "verify_cost_ms": curve, "rows": rows,
+          "draft_ms": ({d: round(v, 2) for d, v in by_depth.items()} if by_depth
+                       else round(drafter_cost_ms, 2)),
+          "verify_cost_ms": curve, "rows": rows,
           "method": "Medusa tree search: paths ranked by the product of held-out per-head rank "
-                    "accuracies; cost = verify c(n+1) + timed draft step"}
+                    "accuracies (also within the first d heads); cost = verify c(n+1) + timed "
+                    "draft step at the tree's depth"}

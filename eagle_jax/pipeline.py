@@ -86,9 +86,10 @@ class TuneConfig:
   max_nodes: int = 64
   # EAGLE-1/2 draft vocabularies tried besides the whole one (most frequent reply tokens)
   draft_vocabs: tuple[int, ...] = (8192,)
-  # the head's weights while tuning and then drafting (recorded in the budget): 8 = rounded to
-  # 8-bit blocks (eagle_jax.model.quantize_linears; about half the draft step on a 2-core CPU,
-  # the same acceptance in the measurements so far), 0 = float32 as trained
+  # the drafter's weights while tuning and then drafting (recorded in the budget): 8 = rounded
+  # to 8-bit blocks (EAGLE: eagle_jax.model.quantize_linears, about half the draft step on a
+  # 2-core CPU, the same acceptance in the measurements so far; Medusa: each head's output
+  # layer, MedusaHeads.quantize8), 0 = float32 as trained
   head_bits: int = 8
 
   def __post_init__(self):
@@ -368,7 +369,7 @@ def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict |
   held-out rank accuracies it came from in ``drafter.json`` (re-tuning reuses those)."""
   from eagle_jax.budget import draft_cost_ms
   from eagle_jax.drafters.medusa import MedusaDrafter
-  from eagle_jax.medusa import best_tree, rank_accuracies, tune_tree
+  from eagle_jax.medusa import rank_accuracies, tune_tree
   from eagle_jax.tree import TreeSpec
 
   t = cfg.tune if cfg else TuneConfig()
@@ -378,15 +379,20 @@ def tune_medusa(final: str, lm, cfg: TrainConfig | None, heldout_metrics: dict |
     raise EagleJaxError(f"{final}: no held-out rank accuracies recorded; re-run its training")
   acc = meta["rank_acc"] if heldout_metrics is None else rank_accuracies(
       heldout_metrics, heads.config.num_heads)
-  drafter, dparams = MedusaDrafter.create(heads, TreeSpec.from_choices(best_tree(acc, t.max_nodes)[0]))
+  if t.head_bits == 8:
+    heads.quantize8()
   prompt = heldout_prompts(lm.tokenizer, 1, cfg)[0]
-  result = tune_tree(draft_cost_ms(drafter, dparams, lm.model, prompt), acc,
-                     verify_cost_up_to(lm.model, t.max_nodes), max_nodes=t.max_nodes)
+  costs = {}  # a draft step runs only the heads the tree reaches: its cost by depth
+  for depth in range(1, heads.config.num_heads + 1):
+    drafter, dparams = MedusaDrafter.create(heads, TreeSpec.chain(depth))
+    costs[depth] = draft_cost_ms(drafter, dparams, lm.model, prompt)
+  result = tune_tree(costs, acc, verify_cost_up_to(lm.model, t.max_nodes), max_nodes=t.max_nodes)
   with open(os.path.join(final, "budget.json"), "w") as f:
     json.dump(result, f, indent=1)
   meta["rank_acc"] = [[round(a, 5) for a in row] for row in acc]
   meta["budget"] = {k: result[k] for k in ("total_tokens", "tree", "predicted_tau", "predicted_speedup",
                                            "default63_predicted_tau")}
+  meta["budget"]["head_bits"] = t.head_bits
   write_meta(final, meta)
   print(f"budget: {json.dumps({k: v for k, v in meta['budget'].items() if k != 'tree'})}")
   return result

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.model import KVCache
-from eagle_jax.sampling import SamplingParams, process_logits
+from eagle_jax.sampling import SamplingParams, greedy_token, process_logits
 
 
 @flax.struct.dataclass
@@ -35,7 +35,7 @@ def _verify_row(logits_MxV, tokens_M, parents_M, valid_M, q_MxV, key, params: Sa
   num_children_M = is_child_MxM.sum(-1)
   greedy = params.greedy
   if greedy:
-    target_M = jnp.argmax(logits_MxV, -1)
+    target_M = greedy_token(logits_MxV)
     p0 = jnp.zeros((v,), jnp.float32)  # unused
   else:
     probs_MxV = jax.nn.softmax(process_logits(logits_MxV, params), axis=-1)

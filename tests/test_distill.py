@@ -128,6 +128,16 @@ def test_hf_round_trip_and_lossless_drafting(trained):
   assert spec.tokens == ref.tokens
   assert spec.tau > 1.0
 
+  # head_bits=8 (DrafterOptions): every float32 matrix and the tied embedding in 8-bit blocks
+  from eagle_jax.model import Linear, quantize_linears
+  linears = [l for _, l in nnx.iter_graph(loaded) if isinstance(l, Linear)]
+  assert quantize_linears(loaded) == len(linears) + 1 and loaded.embed_blocks is not None
+  np.testing.assert_array_equal(np.asarray(loaded.embed[...]), loaded.embed_blocks.get_value().dequantize())
+  assert quantize_linears(loaded) == 0
+  drafter, dparams = DraftModelDrafter.create(loaded, gamma=3, target_vocab=128)
+  spec8 = speculative_generate(target, drafter, dparams, prompts, max_new_tokens=20, stop_ids=())
+  assert spec8.tokens == ref.tokens and spec8.tau > 1.0
+
 
 def test_predicted_speedup_and_timing():
   assert predicted_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)

@@ -189,6 +189,35 @@ def test_attention_kernel_gradients_and_vmap():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("parts_kind", ["new only", "cache per token", "cache shared"])
+@pytest.mark.parametrize("t,block", [(300, 128), (64, 16), (40, 16)])
+def test_causal_blocks_equal_reference(parts_kind, t, block):
+  """Blocked causal attention (queries a block at a time, the hidden upper triangle skipped)
+  gives the full computation's result, with packed segments and padding in the mask, a cache
+  part before the new tokens, and a last block shorter than the others; gradients too."""
+  b, kh, g, s, d = 2, 2, 3, 5, 16
+  tc = {"cache per token": t, "cache shared": 1}.get(parts_kind, 1)
+  q, parts = _attention_operands(b, kh, g, t, s, d, tc, 0.4, seed=7)
+  seg = np.ones((b, t), np.int32)
+  seg[0, t // 3:] = 2  # a second conversation packed into row 0
+  seg[1, -5:] = 0  # padding at the end of row 1
+  from eagle_jax.features import segment_mask
+  from eagle_jax.model import bias_from_mask
+  (kc, vc, bc), (kn, vn, _) = parts
+  new = (kn, vn, bias_from_mask(segment_mask(jnp.asarray(seg))))
+  parts = [new] if parts_kind == "new only" else [(kc, vc, bc), new]
+  want = jax.jit(kernels.attend_reference)(q, parts)
+  got = jax.jit(lambda q, p: kernels.attend_causal_blocks(q, p, block))(q, parts)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+  loss = lambda f: (lambda q, p: jnp.sum(jnp.sin(f(q, p))))
+  g_want = jax.grad(loss(kernels.attend_reference))(q, parts)
+  g_got = jax.grad(loss(lambda q, p: kernels.attend_causal_blocks(q, p, block)))(q, parts)
+  np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), rtol=1e-4, atol=1e-5)
+  if parts_kind == "new only" and t > kernels.CAUSAL_BLOCK:  # attend takes the blocks when told
+    hlo = lambda causal: jax.jit(lambda q, p: kernels.attend(q, p, causal=causal)).lower(q, parts).as_text()
+    assert hlo(True).count("exponential") > hlo(False).count("exponential")
+
+
 def test_quantize8_rounds_each_block_to_its_own_scale():
   rng = np.random.default_rng(5)
   w = rng.standard_normal((6, 96)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)

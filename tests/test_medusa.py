@@ -64,6 +64,37 @@ def test_propose_takes_each_heads_ranks(tiny):
   assert draft.q_BxNxV is None
 
 
+def test_8bit_heads_and_shallow_trees(tiny):
+  """quantize8 rounds each head's output layer to 8-bit blocks (float32 weights = their
+  expansion, so logits match the plain product); a call for the first k heads equals the
+  first k of all; a shallow tree's draft reads only those heads; drafting with 8-bit heads
+  stays lossless."""
+  target = tiny()
+  heads = make_heads(target, seed=3)
+  x = jax.random.normal(jax.random.key(1), (3, target.config.hidden_size))
+  before = np.asarray(heads(x))
+  heads.quantize8()
+  assert heads.out_blocks is not None and len(heads.out_blocks.get_value()) == 4
+  after = np.asarray(heads(x))
+  w = np.asarray(heads.out_KxVxD[...])
+  np.testing.assert_allclose(after, np.einsum("bkd,kvd->bkv", np.asarray(heads.features(x)), w),
+                             rtol=1e-5, atol=1e-5)
+  assert np.abs(after - before).max() < 0.05 * np.abs(before).max()  # rounding, not garbage
+  np.testing.assert_allclose(np.asarray(heads(x, 2)), after[:, :2], rtol=1e-6, atol=1e-6)
+  heads.quantize8()  # a second call changes nothing
+  np.testing.assert_array_equal(np.asarray(heads(x)), after)
+  drafter, dparams = MedusaDrafter.create(heads, TreeSpec.chain(2), target)
+  hlo = jax.jit(lambda d, f: drafter.propose(d, f, jnp.array([1]), jax.random.key(0), SamplingParams())
+                ).lower(dparams, drafter.init(dparams, jnp.zeros((1, 2), jnp.int32), jnp.array([2]),
+                                              jnp.zeros((1, 2, target.config.hidden_size)),
+                                              jnp.array([1]), 16)).as_text()
+  assert hlo.count("eagle_jax_block_matmul") == 2  # heads 0 and 1 only
+  ref = generate(target, PROMPTS, max_new_tokens=24)
+  for tree in TREES.values():
+    drafter, dparams = MedusaDrafter.create(heads, tree, target)
+    assert speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=24).tokens == ref.tokens
+
+
 def test_tree_deeper_than_heads_is_refused(tiny):
   target = tiny()
   with pytest.raises(EagleJaxError, match="only 2 heads"):
@@ -119,3 +150,14 @@ def test_training_learns_and_reports_rank_accuracies(tmp_path):
   assert acc[0][0] == after["heldout_acc_0"] and sum(acc[1]) <= 1.0 + 1e-6
   with pytest.raises(EagleJaxError, match="heldout_rank"):
     rank_accuracies(after, 4, 4)
+
+
+def test_tune_tree_prices_each_tree_at_its_depth():
+  """With draft costs by depth, a deeper tree pays for the heads it adds."""
+  acc = np.array([[0.6, 0.3, 0.1], [0.5, 0.1, 0.05]])
+  curve = {1: 10.0, 2: 10.0, 64: 10.0}  # free verification
+  assert tune_tree({1: 1.0, 2: 1.0}, acc, curve, max_nodes=8)["total_tokens"] == 8
+  cheap_shallow = tune_tree({1: 1.0, 2: 50.0}, acc, curve, max_nodes=8)
+  assert cheap_shallow["tree"] == [[0], [1], [2]] and cheap_shallow["total_tokens"] == 3
+  assert cheap_shallow["predicted_tau"] == pytest.approx(2.0)
+  assert {r["depth"] for r in cheap_shallow["rows"]} == {1, 2}

@@ -116,3 +116,28 @@ def test_layer_hiddens_and_top_hidden(tiny):
 def test_causal_mask_shape():
   m = causal_mask(3)
   assert m.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+
+
+def test_long_causal_pass_in_blocks_equals_full_attention(tiny):
+  """Over more new tokens than kernels.CAUSAL_BLOCK, a causal pass (implied, or a segment mask
+  declared causal) computes attention a query block at a time: same logits as the full
+  computation, and greedy_tokens (chunked LM head) equals the argmax of those logits."""
+  from eagle_jax.features import segment_mask
+  from eagle_jax.kernels import CAUSAL_BLOCK
+
+  model = tiny()
+  b, t = 2, CAUSAL_BLOCK + 37
+  toks, pos = _tokens(b, t), _positions(b, t)
+  seg = jnp.asarray(np.where(np.arange(t) < 50, 1, 2)[None].repeat(b, 0))
+  for mask in (jnp.broadcast_to(causal_mask(t), (b, t, t)), segment_mask(seg)):
+    full = model(toks, pos, mask_BxTxT=mask)  # not declared causal: the full T x T scores
+    blocked = model(toks, pos, mask_BxTxT=mask, causal=True)
+    np.testing.assert_allclose(np.asarray(blocked.logits_BxTxV), np.asarray(full.logits_BxTxV),
+                               rtol=1e-5, atol=1e-5)
+  implied = model(toks, pos)
+  np.testing.assert_allclose(np.asarray(implied.logits_BxTxV),
+                             np.asarray(model(toks, pos, mask_BxTxT=jnp.broadcast_to(causal_mask(t), (b, t, t))).logits_BxTxV),
+                             rtol=1e-5, atol=1e-5)
+  greedy = model.greedy_tokens(implied.hidden_BxTxD, chunk=48)  # b * t is not a multiple of 48
+  assert greedy.shape == (b, t) and greedy.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(greedy), np.asarray(jnp.argmax(implied.logits_BxTxV, -1)))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.sampling import SamplingParams, probabilities, process_logits, sample
+from eagle_jax.sampling import SamplingParams, greedy_token, probabilities, process_logits, sample
 
 
 def _reference_filter(logits, temperature, top_k, top_p):
@@ -52,6 +52,22 @@ def test_sample_distribution_chi_square():
 def test_greedy_is_argmax():
   logits = jnp.array([[0.1, 3.0, -1.0], [2.0, 0.0, 1.0]])
   assert sample(jax.random.key(0), logits, SamplingParams()).tolist() == [1, 0]
+
+
+def test_greedy_token_equals_argmax():
+  """The max-then-smallest-index form gives jnp.argmax's answer, ties (first index), rows of
+  -inf and NaN (the first NaN) included, at any leading shape."""
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((4, 5, 1000)).astype(np.float32)
+  x[0, 0, [7, 400, 999]] = 50.0  # a tie: the first wins
+  x[0, 1] = -np.inf
+  x[0, 2, [10, 600]] = np.nan
+  x[0, 3, 999] = np.inf
+  x[1] = np.round(x[1])  # many ties
+  ours = np.asarray(jax.jit(greedy_token)(jnp.asarray(x)))
+  assert ours.dtype == np.int32
+  np.testing.assert_array_equal(ours, np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+  assert ours[0, 0] == 7 and ours[0, 2] == 10 and ours[0, 1] == 0
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)])

@@ -30,9 +30,11 @@ class DrafterOptions:
   # eagle1/eagle2: draft over the K most frequent training-reply tokens through their rows of
   # the target's LM head (FR-Spec); 0 = the whole vocabulary, -1 = the checkpoint's tuned value
   draft_vocab: int = -1
-  # eagle1/2/3: 8 = the head's own weights rounded to 8-bit blocks (a quarter of the bytes per
-  # draft step through the CPU kernel; drafts may change, the output cannot), 0 = as trained,
-  # -1 = the checkpoint's tuned value (eagle2/eagle3), else as trained
+  # eagle1/2/3, medusa, draft-model: 8 = the drafter's own weights (Medusa: its output layers;
+  # a draft model: every float32 matrix and its tied embedding) rounded to 8-bit blocks (a
+  # quarter of the bytes per draft step through the CPU kernel; drafts may change, the output
+  # cannot), 0 = as trained, -1 = the checkpoint's tuned value (eagle2, eagle3, medusa), else
+  # as trained
   head_bits: int = -1
   runs_dir: str = "runs"  # where trained drafters are looked up when no checkpoint is given
 
@@ -81,6 +83,8 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
 
     path = options.draft_model or find_checkpoint(name, options.runs_dir, model)
     draft = load_model(path).model
+    if head_bits(options, {}) == 8:  # its float32 weights (a GGUF's integer blocks stay as they are)
+      quantize_linears(draft)
     return DraftModelDrafter.create(draft, gamma=options.gamma or 4,
                                     target_vocab=target.config.vocab_size)
   raise EagleJaxError(f"unknown drafter {name!r}; choose from: {', '.join(DRAFTERS)}")
@@ -137,10 +141,7 @@ def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: s
     raise EagleJaxError(f"{path}: holds an EAGLE-{head.config.version} head; --drafter {name} "
                         f"needs EAGLE-{EAGLE_VERSION[name]}")
   tuned = meta.get("budget", {}) if name != "eagle1" else {}
-  bits = options.head_bits if options.head_bits >= 0 else tuned.get("head_bits", 0)
-  if bits not in (0, 8):
-    raise EagleJaxError(f"head_bits must be 0 (float32, as trained) or 8; got {bits}")
-  if bits == 8:
+  if head_bits(options, tuned) == 8:
     quantize_linears(head)
   vocab = options.draft_vocab if options.draft_vocab >= 0 else tuned.get("draft_vocab", 0)
   if vocab and name == "eagle3":
@@ -156,6 +157,15 @@ def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: s
         depth=options.depth or tuned.get("depth", 5),
         total_tokens=options.total_tokens or tuned.get("total_tokens", 24))
   return drafter, dparams
+
+
+def head_bits(options: DrafterOptions, tuned: dict) -> int:
+  """The bits a trained drafter's weights are drafted with: ``options.head_bits`` if set, else
+  the value its tuning recorded (``budget.head_bits``), else 0 (float32, as trained)."""
+  bits = options.head_bits if options.head_bits >= 0 else tuned.get("head_bits", 0)
+  if bits not in (0, 8):
+    raise EagleJaxError(f"head_bits must be 0 (float32, as trained) or 8; got {bits}")
+  return bits
 
 
 def draft_vocab_ids(path: str, target: Transformer, size: int):
@@ -178,6 +188,8 @@ def make_medusa(target: Transformer, options: DrafterOptions, model: str | None 
 
   path = options.draft_model or find_checkpoint("medusa", options.runs_dir, model)
   heads, meta = load_drafter(path, ("medusa",))
+  if head_bits(options, meta.get("budget", {})) == 8:
+    heads.quantize8()
   depth = heads.config.num_heads
   if options.tree == "default" or "rank_acc" not in meta:
     choices = [c for c in MEDUSA_DEFAULT_CHOICES if len(c) <= depth]

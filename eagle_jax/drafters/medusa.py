@@ -62,7 +62,7 @@ class MedusaDrafter:
     heads = nnx.merge(self.graphdef, dparams)
     tree = self.tree
     b = state.feature_BxD.shape[0]
-    logits_BxKxV = heads(state.feature_BxD)  # heads deeper than the tree go unused
+    logits_BxKxV = heads(state.feature_BxD, tree.max_depth)  # only the heads the tree reaches
     top_BxKxR = jax.lax.top_k(logits_BxKxV, int(tree.ranks.max()) + 1)[1]
     tokens_BxN = top_BxKxR[:, tree.depths[1:] - 1, tree.ranks[1:]]
     return Draft(tokens_BxN=tokens_BxN.astype(jnp.int32),

@@ -389,18 +389,25 @@ void Rows(const float* x, const float* w, const Quantized& qw, float* y, int64_t
 // own pool, so a call that blocked waiting on tasks queued there could deadlock; here the
 // calling thread takes chunks of its own job until none are left, and only then waits for
 // chunks that workers are already running.
-struct Job {
-  const float *x, *w;
-  Quantized qw{nullptr, nullptr, nullptr, 0};
-  float* y;
-  int64_t m, in, out, per, chunks;
+struct Task {
+  int64_t chunks = 1;
   std::atomic<int64_t> next{0}, done{0};
+  virtual ~Task() = default;
+  virtual void Chunk(int64_t c) = 0;
   void Work() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      Rows(x, w, qw, y, m, in, out, c * per, std::min(out, (c + 1) * per));
+      Chunk(c);
       done.fetch_add(1, std::memory_order_release);
     }
   }
+};
+
+struct Job : Task {
+  const float *x, *w;
+  Quantized qw{nullptr, nullptr, nullptr, 0};
+  float* y;
+  int64_t m, in, out, per;
+  void Chunk(int64_t c) override { Rows(x, w, qw, y, m, in, out, c * per, std::min(out, (c + 1) * per)); }
 };
 
 class Pool {
@@ -410,7 +417,7 @@ class Pool {
     return *pool;
   }
   int64_t size() const { return static_cast<int64_t>(workers_) + 1; }
-  void Run(const std::shared_ptr<Job>& job) {
+  void Run(const std::shared_ptr<Task>& job) {
     bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -446,7 +453,7 @@ class Pool {
   void Loop() {
     for (;;) {
       SpinForWork();
-      std::shared_ptr<Job> job;
+      std::shared_ptr<Task> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
         ++sleepers_;
@@ -462,7 +469,7 @@ class Pool {
   unsigned workers_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<Job>> queue_;
+  std::deque<std::shared_ptr<Task>> queue_;
   std::atomic<int64_t> pending_{0};
   int sleepers_ = 0;  // guarded by mu_
 };
@@ -648,6 +655,20 @@ void AttendRow(const AttnJob& a, int64_t b, int64_t k, int64_t m, float* sc) {
 }
 
 using AttendFn = void (*)(const AttnJob&, int64_t, int64_t, int64_t, float*);
+
+struct AttnTask : Task {
+  AttnJob a;
+  AttendFn row;
+  int64_t rows, per;
+  void Chunk(int64_t c) override {
+    thread_local std::vector<float> sc;  // scores of one query row, reused across calls
+    const size_t need = static_cast<size_t>(a.S + a.T + 2 * W);
+    if (sc.size() < need) sc.resize(need);
+    for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
+      row(a, r / (a.K * a.M), (r / a.M) % a.K, r % a.M, sc.data());
+    }
+  }
+};
 constexpr int kMaxChunks = 16;  // head dims up to 16 vectors (256 on AVX-512, 128 on AVX2)
 
 template <int C>
@@ -681,10 +702,20 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc, ffi::Buffer
     return ffi::Error::InvalidArgument("attend: head dim must be a multiple of the vector width, "
                                        "at most 16 vectors");
   }
-  std::vector<float> sc(a.S + a.T + 2 * W);
-  for (int64_t b = 0; b < a.B; ++b)
-    for (int64_t k = 0; k < a.K; ++k)
-      for (int64_t m = 0; m < a.M; ++m) row(a, b, k, m, sc.data());
+  auto task = std::make_shared<AttnTask>();
+  task->a = a;
+  task->row = row;
+  task->rows = a.B * a.K * a.M;
+  // Query rows are spread over the pool a few at a time, taken as threads come free (a row is
+  // computed by one thread, so its result does not depend on the split); small calls (a draft
+  // head's short cache) stay on the calling thread.
+  task->per = std::max<int64_t>(1, (task->rows + 63) / 64);
+  task->chunks = (task->rows + task->per - 1) / task->per;
+  if (task->rows * (a.S + a.T) * a.D < (int64_t{1} << 15) || task->chunks == 1) {
+    for (int64_t c = 0; c < task->chunks; ++c) task->Chunk(c);
+  } else {
+    Pool::Get().Run(task);
+  }
   return ffi::Error::Success();
 }
 
