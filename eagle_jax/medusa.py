@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.kernels import Blocks, linear
-from eagle_jax.model import WeightBlocks, blocks_of
+from eagle_jax.kernels import linear
+from eagle_jax.model import WeightBlocks, blocks_of, round_to_8bit
 from eagle_jax.train import sample_positions
 
 
@@ -73,16 +73,16 @@ class MedusaHeads(nnx.Module):
     self.out_blocks: WeightBlocks | None = nnx.data(None)  # per head, set by quantize8
 
   def quantize8(self) -> None:
-    """Rounds each head's output layer to 8-bit blocks (:meth:`eagle_jax.kernels.Blocks.quantize8`;
+    """Rounds each head's output layer to 8-bit blocks (:func:`eagle_jax.model.round_to_8bit`;
     the float32 weights become their expansion, so every backend uses the same weights), which
     the CPU kernel then reads at a quarter of the bytes: the output layers are nearly all of
     Medusa's weights (49,152 x 576 per head for the default target). For drafting only: drafts
     may change, verified outputs cannot."""
     if self.out_blocks is not None:
       return
-    blocks = tuple(Blocks.quantize8(np.asarray(w)) for w in np.asarray(self.out_KxVxD[...]))
-    self.out_KxVxD.value = jnp.asarray(np.stack([b.dequantize() for b in blocks]))
-    self.out_blocks = WeightBlocks(tuple(jax.tree.map(jnp.asarray, b) for b in blocks))
+    weights, blocks = zip(*(round_to_8bit(w) for w in np.asarray(self.out_KxVxD[...])))
+    self.out_KxVxD.value = jnp.stack(weights)
+    self.out_blocks = WeightBlocks(tuple(blocks))
 
   def features(self, h_xD: jax.Array, num_heads: int | None = None) -> jax.Array:
     """``[..., D] -> [..., K, D]``: each head's residual stack applied to the target feature

@@ -27,6 +27,7 @@ from flax import nnx
 
 from eagle_jax.config import ModelConfig
 from eagle_jax.kernels import BLOCK, Blocks, attend, linear
+from eagle_jax.sampling import greedy_token
 
 
 class WeightBlocks(nnx.Variable):
@@ -141,6 +142,14 @@ class Linear(nnx.Module):
     return y if self.bias is None else y + self.bias[...]
 
 
+def round_to_8bit(w_OxI) -> tuple[jax.Array, Blocks]:
+  """A float32 weight ``[out, in]`` rounded to 8-bit blocks (:meth:`Blocks.quantize8`): the
+  float32 expansion it is replaced by (so every backend computes with the same weights) and the
+  blocks the CPU kernel reads instead."""
+  blocks = Blocks.quantize8(np.asarray(w_OxI))
+  return jnp.asarray(blocks.dequantize()), jax.tree.map(jnp.asarray, blocks)
+
+
 def quantize_linears(module: nnx.Module) -> int:
   """Rounds every float32 :class:`Linear` in ``module`` without integer blocks (and a width that
   is a multiple of 32) to 8-bit blocks (:meth:`eagle_jax.kernels.Blocks.quantize8`), and the
@@ -153,9 +162,8 @@ def quantize_linears(module: nnx.Module) -> int:
   def rounded(param: nnx.Param) -> WeightBlocks | None:
     if param.dtype != jnp.float32 or param.ndim != 2 or param.shape[1] % BLOCK:
       return None
-    blocks = Blocks.quantize8(np.asarray(param[...]))
-    param.value = jnp.asarray(blocks.dequantize())
-    return WeightBlocks(jax.tree.map(jnp.asarray, blocks))
+    param.value, blocks = round_to_8bit(param[...])
+    return WeightBlocks(blocks)
 
   count = 0
   for _, node in nnx.iter_graph(module):
@@ -314,8 +322,6 @@ class Transformer(nnx.Module):
     logits for the default model) writing and re-reading every logit cost more than the LM
     head's product; in chunks of 128 the product with its argmax ran 1.4x faster (one-off,
     2-core EPYC)."""
-    from eagle_jax.sampling import greedy_token
-
     b, t, d = hidden_BxTxD.shape
     n = b * t
     pad = -n % chunk
