@@ -6,7 +6,6 @@ the benchmarks' predicted speedups) divides acceptance by these measured costs.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 
@@ -35,18 +34,18 @@ def verify_cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 192, 
   """Median ms of one target forward over ``n`` tree nodes after a ``prefix``-token cache.
 
   Timed as the speculative loop runs it: chained inside one compiled program (the cache carried
-  and updated in place). One call runs the forward once, another five times; the curve is a
-  quarter of their difference, so the cost of calling a compiled program from Python (about 7 ms for the
-  default model's 545 arrays on a 2-core CPU, more than the forward's own marginal cost) is not
-  counted as verify cost.
+  and updated in place, one compilation per size). One call runs the forward once, another five
+  times; the curve is a quarter of their difference, so the cost of calling a compiled program
+  from Python (about 7 ms for the default model's 545 arrays on a 2-core CPU, more than the
+  forward's own marginal cost) is not counted as verify cost.
 
   Each size is timed once per process and architecture (the cost depends on shapes, not
   weights), so the tuning after every training and the experiment runner share one curve.
   """
   graphdef, state = nnx.split(model)
 
-  @functools.partial(jax.jit, static_argnums=3)
-  def forward(state, tokens, cache, chain: int):
+  @jax.jit
+  def forward(state, tokens, cache, chain):  # chain is traced: one compilation per size
     m = nnx.merge(graphdef, state)
     t = tokens.shape[1]
 
@@ -64,7 +63,8 @@ def verify_cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 192, 
       cache = KVCache.init(model.config, 1, prefix + 64 + n, model.embed.dtype)
       cache = cache.replace(lengths_B=jnp.array([prefix], jnp.int32))
       tokens = jnp.ones((1, n), jnp.int32)
-      once, five = (median_ms(forward, state, tokens, cache, chain, repeats=repeats) for chain in (1, 5))
+      once, five = (median_ms(forward, state, tokens, cache, jnp.int32(chain), repeats=repeats)
+                    for chain in (1, 5))
       _VERIFY_MS[base + (n,)] = round(max(five - once, 0.0) / 4, 2)
   return {n: _VERIFY_MS[base + (n,)] for n in sizes}
 
