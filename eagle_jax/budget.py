@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.costs import median_ms
+from eagle_jax.costs import fastest_ms
 from eagle_jax.drafters.base import Accepted
 from eagle_jax.drafters.eagle import EagleDrafter
 from eagle_jax.sampling import SamplingParams
@@ -48,7 +48,8 @@ def tau_by_budget(accepted_slots, max_nodes: int) -> np.ndarray:
 
 
 def draft_cost_ms(drafter: EagleDrafter, dparams, target, prompt, repeats: int = 10) -> float:
-  """Median ms of one ``update`` (a full accepted path) + ``propose`` of the drafter."""
+  """Fastest ms (after a warm-up) of one ``update`` (a full accepted path) + ``propose`` of the
+  drafter."""
   b, d = 1, drafter.max_depth
   p = jnp.asarray([prompt], jnp.int32)
   out = target(p, jnp.arange(p.shape[1])[None], None, return_layers=drafter.feature_layers)
@@ -65,7 +66,7 @@ def draft_cost_ms(drafter: EagleDrafter, dparams, target, prompt, repeats: int =
     state = drafter.update(dparams, state, acc)
     return drafter.propose(dparams, state, acc.tokens_BxK[:, 0], jax.random.key(0), SamplingParams())
 
-  return median_ms(step, dparams, state, acc, repeats=repeats)
+  return fastest_ms(step, dparams, state, acc, repeats=repeats)
 
 
 def tune_budget(head, target, prompts, *, curve: dict[int, float], top_k: int = 8,

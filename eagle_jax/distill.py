@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
-from eagle_jax.costs import median_ms
+from eagle_jax.costs import fastest_ms
 from eagle_jax.eagle_head import Frozen
 from eagle_jax.eagle_train import _shift
 from eagle_jax.errors import EagleJaxError
@@ -201,8 +201,9 @@ def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
 
 
 def _decode_step_ms(model: Transformer, steps: int, context: int, repeats: int) -> float:
-  """Median ms of one batch-1 one-token decode step: ``steps`` chained steps (argmax fed back,
-  KV cache carried, as when drafting) after ``context`` cached tokens, in one jitted call."""
+  """Fastest ms (after a warm-up) of one batch-1 one-token decode step: ``steps`` chained steps
+  (argmax fed back, KV cache carried, as when drafting) after ``context`` cached tokens, in one
+  jitted call."""
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -218,7 +219,7 @@ def _decode_step_ms(model: Transformer, steps: int, context: int, repeats: int) 
 
   cache = KVCache.init(model.config, 1, context + steps, model.embed.dtype)
   cache = cache.replace(lengths_B=jnp.array([context], jnp.int32))
-  return median_ms(run, state, cache, jnp.ones((1, 1), jnp.int32), repeats=repeats) / steps
+  return fastest_ms(run, state, cache, jnp.ones((1, 1), jnp.int32), repeats=repeats) / steps
 
 
 def time_draft_sizes(target: Transformer, configs: dict[str, DraftModelConfig], gamma: int = 4,

@@ -174,12 +174,12 @@ def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
 
   timed = []
 
-  def fake_median_ms(fn, state, tokens, cache, chain, repeats=10):  # n ms per forward, chained
+  def fake_fastest_ms(fn, state, tokens, cache, chain, repeats=10):  # n ms per forward, chained
     if chain == 1:
       timed.append(tokens.shape[1])
     return float(tokens.shape[1] * chain)
 
-  monkeypatch.setattr(costs, "median_ms", fake_median_ms)
+  monkeypatch.setattr(costs, "fastest_ms", fake_fastest_ms)
   monkeypatch.setattr(costs, "_VERIFY_MS", {})
   model = tiny()
   assert costs.verify_cost_curve(model, sizes=(1, 2), repeats=1) == {1: 1.0, 2: 2.0}
