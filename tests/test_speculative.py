@@ -1,6 +1,7 @@
 """The speculative loop: greedy output equals vanilla for every drafter; sampling is lossless."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -166,6 +167,17 @@ def test_real_model_greedy_lossless_20_prompts(smollm, vanilla20, name):
   for p, ref in zip(prompts, vanilla):
     assert spec([p]).tokens[0] == ref
   assert min(taus) >= 1.0
+
+
+def test_fastest_ms_warms_up_then_keeps_the_fastest_call(monkeypatch):
+  """Two untimed calls (the first compiles), then the fastest of the timed ones."""
+  from eagle_jax import costs
+
+  clock = iter([0.0, 0.005, 1.0, 1.002, 2.0, 2.009])  # timed calls of 5, 2 and 9 ms
+  monkeypatch.setattr(costs, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+  calls = []
+  assert costs.fastest_ms(lambda x: calls.append(x) or x, 1, repeats=3) == pytest.approx(2.0)
+  assert len(calls) == 2 + 3
 
 
 def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
