@@ -59,8 +59,7 @@ def greedy_token(logits_XxV: jax.Array) -> jax.Array:
   Why: XLA's CPU backend lowers ``argmax`` to a reduction over (value, index) pairs that it
   does not vectorise: over the default model's 49,152 logits about 0.25 ms a row (one-off,
   2-core EPYC), paid by every decode step and by every node of a verify pass; these two
-  plain reductions took a quarter to two fifths of that
-  (16 rows and 1 row)."""
+  plain reductions took a quarter to two fifths of that (16 rows and 1 row)."""
   v = logits_XxV.shape[-1]
   top_Xx1 = jnp.max(logits_XxV, axis=-1, keepdims=True)  # NaN if any entry is NaN
   hit_XxV = (logits_XxV == top_Xx1) | jnp.isnan(logits_XxV)
