@@ -11,35 +11,71 @@ import pytest
 from safetensors.numpy import load_file
 
 import tiny_training
-from eagle_jax.features import FeatureShards, pack_rows, segment_mask
+from eagle_jax.features import FeatureShards, pack_shard, segment_mask
 from eagle_jax.train import FAULT_ENV, batch_rows_at, read_metrics
 
 HERE = os.path.dirname(__file__)
 
 
-def test_pack_rows_and_segment_mask():
-  ex = [(i, np.arange(n, dtype=np.int32) + 10 * i, np.ones(n, bool)) for i, n in enumerate([3, 4, 6, 3])]
-  rows = list(pack_rows(iter(ex), 8))
-  assert [nxt for _, nxt in rows] == [2, 3, None]
-  r0 = rows[0][0]
+def _examples(lengths):
+  return [(np.arange(n, dtype=np.int32) + 10 * i, np.ones(n, bool)) for i, n in enumerate(lengths)]
+
+
+def test_pack_shard_first_fit_and_segment_mask():
+  ex = _examples([3, 4, 6, 3])
+  rows, nxt = pack_shard(ex, 0, 8, max_rows=2)  # example 3 fits in neither row: the shard closes
+  assert nxt == 3 and len(rows) == 2
+  r0 = rows[0]
   assert list(r0["segments"]) == [1, 1, 1, 2, 2, 2, 2, 0]
   assert list(r0["positions"][:7]) == [0, 1, 2, 0, 1, 2, 3]
+  assert list(r0["tokens"][3:7]) == [10, 11, 12, 13]
+  rest, nxt = pack_shard(ex, 3, 8, max_rows=2)
+  assert nxt is None and len(rest) == 1 and list(rest[0]["tokens"][:3]) == [30, 31, 32]
   m = np.asarray(segment_mask(r0["segments"][None]))[0]
   assert m[4, 3] and not m[3, 4] and not m[3, 2] and m[2, 0] and m[7, 7] and not m[7, 0]
+  # first fit: later short examples fill earlier rows' gaps (greedy closing would need 3 rows)
+  rows, nxt = pack_shard(_examples([5, 6, 3, 2, 9]), 0, 8, max_rows=2)
+  assert nxt == 4 and len(rows) == 2
+  assert list(rows[0]["segments"]) == [1] * 5 + [2] * 3 and list(rows[0]["tokens"][5:]) == [20, 21, 22]
+  assert list(rows[1]["segments"]) == [1] * 6 + [2] * 2 and list(rows[1]["tokens"][6:]) == [30, 31]
+  # an example longer than a row is truncated to it and takes a row of its own
+  rows, nxt = pack_shard(_examples([5, 6, 3, 2, 9]), 4, 8, max_rows=2)
+  assert nxt is None and list(rows[0]["tokens"]) == list(range(40, 48))
+
+
+def _conversations(rows):
+  """Every packed conversation's tokens, sorted: what a cache holds, whatever its layout."""
+  out = []
+  for tok, seg in zip(rows["tokens"], rows["segments"]):
+    out += [tuple(tok[seg == s]) for s in range(1, seg.max() + 1)]
+  return sorted(out)
 
 
 def test_extraction_resumes_and_extends(tmp_path):
   full = tiny_training.make_features(str(tmp_path / "a"))
-  tiny_training.make_features(str(tmp_path / "b"), max_rows=5)  # stops after a budget ...
+  per_shard = tiny_training.SPEC.rows_per_shard
+  tiny_training.make_features(str(tmp_path / "b"), max_rows=per_shard)  # stops after a budget ...
   part = json.load(open(tmp_path / "b" / "manifest.json"))
-  assert sum(s["rows"] for s in part["shards"]) == 5 and not part["exhausted"]
+  assert sum(s["rows"] for s in part["shards"]) == per_shard and not part["exhausted"]
   tiny_training.make_features(str(tmp_path / "b"))  # ... and a later run extends it
   a, b = FeatureShards(str(tmp_path / "a")), FeatureShards(str(tmp_path / "b"))
-  assert a.num_rows == b.num_rows > 5
+  assert a.num_rows == b.num_rows > per_shard
   ra, rb = a.rows(range(a.num_rows)), b.rows(range(b.num_rows))
   for k in ra:
     np.testing.assert_array_equal(ra[k], rb[k])
-  assert full["last_run"]["mfu"] > 0 and full["last_run"]["tokens_per_s"] > 0
+  # a budget inside a shard packs its last shard into fewer rows: extended, the cache holds
+  # every conversation exactly once, in another layout
+  tiny_training.make_features(str(tmp_path / "c"), max_rows=per_shard + 1)
+  assert FeatureShards(str(tmp_path / "c")).num_rows == per_shard + 1
+  tiny_training.make_features(str(tmp_path / "c"))
+  c = FeatureShards(str(tmp_path / "c"))
+  assert _conversations(c.rows(range(c.num_rows))) == _conversations(ra)
+  assert len(_conversations(ra)) == len(tiny_training.encoded())
+  run = full["last_run"]
+  assert run["mfu"] > 0 and run["tokens_per_s"] > 0
+  low, high = run["matmul_flops_per_s_range"]
+  assert low <= run["matmul_flops_per_s"] <= high
+  assert run["mfu"] == round(run["model_flops_per_s"] / run["matmul_flops_per_s"], 3)
   limited = FeatureShards(str(tmp_path / "a"), max_rows=3)
   assert limited.num_rows == 3 and limited.num_tokens == int((ra["segments"][:3] > 0).sum())
   assert ra["hidden"].dtype.name == "bfloat16" and ra["layers"].shape[2] == 3
