@@ -75,7 +75,9 @@ def test_extraction_resumes_and_extends(tmp_path):
   assert run["mfu"] > 0 and run["tokens_per_s"] > 0
   low, high = run["matmul_flops_per_s_range"]
   assert low <= run["matmul_flops_per_s"] <= high
-  assert run["mfu"] == round(run["model_flops_per_s"] / run["matmul_flops_per_s"], 3)
+  # both rates are printed rounded to 0.01 GFLOP/s and the MFU to 0.001: compare within that
+  m, p = run["model_flops_per_s"], run["matmul_flops_per_s"]
+  assert abs(run["mfu"] - m / p) <= 0.0005 + 0.005 / p + 0.005 * m / p**2 + 1e-9
   limited = FeatureShards(str(tmp_path / "a"), max_rows=3)
   assert limited.num_rows == 3 and limited.num_tokens == int((ra["segments"][:3] > 0).sum())
   assert ra["hidden"].dtype.name == "bfloat16" and ra["layers"].shape[2] == 3
