@@ -52,7 +52,8 @@ def _cmd_bench_decode(args) -> None:
   from eagle_jax.bench import bench_decode
 
   result = bench_decode(model=args.model, num_prompts=args.num_prompts,
-                        max_new_tokens=args.max_new_tokens, with_hf=not args.no_hf)
+                        max_new_tokens=args.max_new_tokens, with_hf=not args.no_hf,
+                        repeats=args.repeats)
   print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -207,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
   bd.add_argument("--num-prompts", type=int, default=3)
   bd.add_argument("--max-new-tokens", type=int, default=128)
   bd.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
+  bd.add_argument("--repeats", type=int, default=3,
+                  help="interleaved timed runs per prompt (medians are reported)")
   bd.add_argument("--json", action="store_true", help="compact single-line JSON")
   bd.set_defaults(func=_cmd_bench_decode)
 

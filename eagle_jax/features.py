@@ -217,7 +217,7 @@ def _extract_locked(model, encoded, root, spec, max_rows, progress) -> dict:
   bar = tqdm(total=max_rows, initial=total_rows, unit="row", disable=not progress,
              desc="features")
   rate = _RateLog(matmul_flops_per_s())
-  tokens_done, seconds = 0, 0.0
+  tokens_done = 0
   while start is not None and (budget is None or budget > 0):
     shard_rows = spec.rows_per_shard if budget is None else min(spec.rows_per_shard, budget)
     rows, next_example = pack_shard(encoded, start, spec.row_len, shard_rows)
@@ -232,15 +232,13 @@ def _extract_locked(model, encoded, root, spec, max_rows, progress) -> dict:
       args = [np.pad(sl[k], ((0, pad), (0, 0))) for k in ("tokens", "positions", "segments")]
       t0 = time.perf_counter()
       am, hid, lay = jax.block_until_ready(fwd(state, *args))
-      elapsed = time.perf_counter() - t0
-      seconds += elapsed
-      rate.add(elapsed, matmul_flops_per_s())
+      rate.add(time.perf_counter() - t0, matmul_flops_per_s())
       tokens_done += int((sl["segments"] > 0).sum())
       outs["target_argmax"].append(np.asarray(am)[:n])
       outs["hidden"].append(np.asarray(hid)[:n])
       outs["layers"].append(np.asarray(lay)[:n])
       bar.update(n)
-      bar.set_postfix(tok_per_s=f"{tokens_done / max(seconds, 1e-9):.0f}")
+      bar.set_postfix(tok_per_s=f"{tokens_done / max(rate.seconds, 1e-9):.0f}")
     batch.update({k: np.concatenate(v) for k, v in outs.items()})
     name = _write_shard(root, len(manifest["shards"]), batch)
     manifest["shards"].append({"name": name, "rows": len(rows),
@@ -257,7 +255,7 @@ def _extract_locked(model, encoded, root, spec, max_rows, progress) -> dict:
   bar.close()
   manifest["complete"] = True
   _save_manifest(root, manifest)
-  context = spec.max_len / 2
+  context, seconds = spec.max_len / 2, rate.seconds
   flops = model_flops_per_token(model.config, context) * tokens_done
   manifest["last_run"] = {
       "tokens": tokens_done, "seconds": round(seconds, 2),
