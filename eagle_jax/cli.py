@@ -9,6 +9,28 @@ import sys
 from eagle_jax.errors import EagleJaxError
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+  """argparse type: comma-separated integers ('' = none)."""
+  try:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _draft_shapes(text: str) -> dict[str, tuple[int, int]]:
+  """argparse type: comma-separated ``L<layers>-d<width>`` shapes."""
+  shapes = {}
+  for spec in text.split(","):
+    try:
+      layers, width = (int(x) for x in spec.strip().lower().lstrip("l").split("-d"))
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected L<layers>-d<width> (e.g. L4-d256), got {spec!r}") from None
+    if layers < 1 or width < 64:
+      raise argparse.ArgumentTypeError(f"{spec!r}: need at least 1 layer and width >= 64")
+    shapes[f"L{layers}-d{width}"] = (layers, width)
+  return shapes
+
+
 def _cmd_generate(args) -> None:
   from eagle_jax.drafters.factory import make_drafter
   from eagle_jax.generate import generate
@@ -73,10 +95,9 @@ def _cmd_bench_draft_sizes(args) -> None:
   from eagle_jax.registry import load_model
 
   shapes = {}
-  for spec in args.shapes.split(","):
-    layers, width = (int(x) for x in spec.lower().lstrip("l").split("-d"))
+  for name, (layers, width) in args.shapes.items():
     heads = max(width // 64, 1)
-    shapes[f"L{layers}-d{width}"] = DraftModelConfig(
+    shapes[name] = DraftModelConfig(
         num_layers=layers, hidden_size=width, intermediate_size=width * 3, num_heads=heads,
         num_kv_heads=heads // 2 if heads % 2 == 0 else heads, head_dim=64)
   result = time_draft_sizes(load_model(args.model).model, shapes, gamma=args.gamma)
@@ -107,16 +128,18 @@ def _cmd_table(args) -> None:
 
 def _cmd_tune(args) -> None:
   from eagle_jax.exported import read_meta
-  from eagle_jax.pipeline import TuneConfig, TrainConfig, tune_medusa, tune_run
-  from eagle_jax.registry import load_model
+  from eagle_jax.pipeline import DataConfig, TuneConfig, TrainConfig, tune_medusa, tune_run
+  from eagle_jax.registry import DEFAULT_MODEL, load_model
 
-  lm = load_model(args.model)
-  ints = lambda text: tuple(int(x) for x in text.split(",") if x.strip())
-  cfg = TrainConfig(name="tune", drafter="eagle1", tune=TuneConfig(
-      prompts=args.prompts, top_ks=ints(args.top_ks), depths=ints(args.depths),
-      max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
-      draft_vocabs=ints(args.draft_vocabs), head_bits=args.head_bits))
-  if read_meta(args.checkpoint).get("drafter") == "medusa":
+  meta = read_meta(args.checkpoint)
+  # the run's own target and held-out split, so the prompts tuned on were never trained on
+  model = args.model or meta.get("model", DEFAULT_MODEL)
+  lm = load_model(model)
+  cfg = TrainConfig(name="tune", drafter="eagle1", model=model, data=DataConfig(**meta.get("split", {})),
+                    tune=TuneConfig(prompts=args.prompts, top_ks=args.top_ks, depths=args.depths,
+                                    max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
+                                    draft_vocabs=args.draft_vocabs, head_bits=args.head_bits))
+  if meta.get("drafter") == "medusa":
     result = tune_medusa(args.checkpoint, lm, cfg)
   else:
     result = tune_run(args.checkpoint, lm, cfg)
@@ -229,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   bz = bsub.add_parser("draft-sizes", help="draft-model decode cost vs the target's, per shape")
   bz.add_argument("--model", default=DEFAULT_MODEL)
-  bz.add_argument("--shapes", default="L2-d256,L4-d256,L8-d256,L4-d384,L4-d576",
+  bz.add_argument("--shapes", type=_draft_shapes, default="L2-d256,L4-d256,L8-d256,L4-d384,L4-d576",
                   help="comma-separated L<layers>-d<width> (64-dim heads, FFN 3x width)")
   bz.add_argument("--gamma", type=int, default=4)
   bz.add_argument("--json", action="store_true", help="compact single-line JSON")
@@ -253,13 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
 
   tu = sub.add_parser("tune", help="pick an EAGLE-2 or Medusa tree budget for this machine")
   tu.add_argument("checkpoint", help="trained run folder or its final/")
-  tu.add_argument("--model", default=DEFAULT_MODEL)
-  tu.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT prompts decoded")
-  tu.add_argument("--top-ks", default="4,8", help="comma-separated top_k values to try")
-  tu.add_argument("--depths", default="4,6", help="comma-separated depths to try")
+  tu.add_argument("--model", default=None, help="the target (default: the one the run trained on)")
+  tu.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT prompts decoded "
+                  "(from the run's own held-out split)")
+  tu.add_argument("--top-ks", type=_int_list, default="4,8", help="comma-separated top_k values to try")
+  tu.add_argument("--depths", type=_int_list, default="4,6", help="comma-separated depths to try")
   tu.add_argument("--max-nodes", type=int, default=64, help="largest total_tokens considered "
                   "(the only setting Medusa's tree search uses)")
-  tu.add_argument("--draft-vocabs", default="8192", help="EAGLE-1/2: comma-separated reduced "
+  tu.add_argument("--draft-vocabs", type=_int_list, default="8192", help="EAGLE-1/2: comma-separated reduced "
                   "draft vocabulary sizes to try besides the whole vocabulary ('' = none)")
   tu.add_argument("--max-new-tokens", type=int, default=48)
   tu.add_argument("--head-bits", type=int, default=8, choices=(0, 8),

@@ -63,6 +63,8 @@ class ModelConfig:
   @classmethod
   def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
     """Builds a config from a Hugging Face ``config.json`` dictionary."""
+    if not isinstance(cfg, dict):
+      raise EagleJaxError(f"{source}: expected a JSON object at the top level, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
       raise EagleJaxError(
@@ -70,7 +72,13 @@ class ModelConfig:
     try:
       num_heads = int(cfg["num_attention_heads"])
       hidden = int(cfg["hidden_size"])
+      for key in ("num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "vocab_size"):
+        if int(cfg[key]) < 1:
+          raise EagleJaxError(f"{source}: {key} must be a positive integer, got {cfg[key]!r}")
       scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+      if not isinstance(scaling, dict):
+        raise EagleJaxError(f"{source}: rope_scaling must be an object, got {scaling!r}")
       rope_type = scaling.get("rope_type", scaling.get("type", "default"))
       rope_theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
       if rope_type not in ("default", "linear", "llama3"):
@@ -104,6 +112,8 @@ class ModelConfig:
       )
     except KeyError as e:
       raise EagleJaxError(f"{source}: missing required key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:  # e.g. "hidden_size": null or "abc"
+      raise EagleJaxError(f"{source}: invalid value ({e})") from None
 
   def to_hf_dict(self) -> dict[str, Any]:
     """The inverse of :meth:`from_hf_dict` (used to cache converted GGUF checkpoints)."""

@@ -124,7 +124,10 @@ def _write_shard(root: str, index: int, arrays: dict) -> str:
   for k, v in arrays.items():
     if k in _BF16:
       v = v.view(np.uint16)
-    np.save(os.path.join(tmp, k + ".npy"), v)
+    with open(os.path.join(tmp, k + ".npy"), "wb") as f:
+      np.save(f, v)
+      f.flush()
+      os.fsync(f.fileno())  # on disk before the rename and the manifest make the shard visible
   final = os.path.join(root, name)
   shutil.rmtree(final, ignore_errors=True)
   os.rename(tmp, final)
@@ -147,6 +150,8 @@ def _save_manifest(root: str, manifest: dict) -> None:
   tmp = os.path.join(root, f"manifest.json.tmp{os.getpid()}")
   with open(tmp, "w") as f:
     json.dump(manifest, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
   os.replace(tmp, os.path.join(root, "manifest.json"))
 
 
@@ -339,7 +344,7 @@ class FeatureShards:
         path = os.path.join(self.root, name, k + ".npy")
         try:
           a = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError) as e:  # EOFError: a zero-byte file
           raise EagleJaxError(f"{path}: unreadable feature shard ({e})") from None
         arrays[k] = a.view(ml_dtypes.bfloat16) if k in _BF16 else a
       self._cache[name] = arrays

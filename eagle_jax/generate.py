@@ -229,6 +229,9 @@ def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_
         f"prompt of {int(lengths_B.max())} tokens plus max_new_tokens={max_new_tokens}{draft} "
         f"needs {need} cache slots, more than the cache length {limit}")
   cache_len = min(tokens_BxP.shape[1] + -(-(max_new_tokens + extra) // BUCKET) * BUCKET, limit)
+  # a padded width past a short cache holds only padding: trim it, so that every [B, P] prompt
+  # array (the prompt pass, prompt lookup's history) fits in the cache
+  tokens_BxP = tokens_BxP[:, :cache_len]
   stop = stop_array(tuple(model.config.eos_token_ids if stop_ids is None else stop_ids))
   return tokens_BxP, lengths_B, cache_len, stop
 

@@ -138,17 +138,18 @@ class MedusaTask:
     k_heads = self.config.num_heads
     valid = [(_shift(seg, k + 1) == seg) & (seg > 0) & _shift(batch["loss_mask"], k + 1, False)
              for k in range(k_heads)]
-    idx_BxN, _ = sample_positions(key, valid[0], self.positions_per_row if train else self.eval_positions)
+    idx_BxN, w0_BxN = sample_positions(key, valid[0], self.positions_per_row if train else self.eval_positions)
+    row_scale_Bx1 = w0_BxN.max(1, keepdims=True)  # each pick's inverse chance of being drawn
     take = lambda x: jnp.take_along_axis(x, idx_BxN, 1)
     logits_BxNxKxV = heads(jnp.take_along_axis(batch["hidden"], idx_BxN[..., None], 1))
     total, metrics = 0.0, {}
     run_B = jnp.ones(idx_BxN.shape, bool)  # greedy chain: every head so far hit
     chain = jnp.zeros(idx_BxN.shape, jnp.float32)
-    w_chain = take(valid[-1]).astype(jnp.float32)
+    w_chain = take(valid[-1]) * row_scale_Bx1
     for k in range(k_heads):
       lg = logits_BxNxKxV[:, :, k]
       label = take(_shift(am, k + 1))
-      w = take(valid[k]).astype(jnp.float32)
+      w = take(valid[k]) * row_scale_Bx1
       denom = jnp.maximum(w.sum(), 1.0)
       ce = jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, label[..., None], -1)[..., 0]
       ce = (ce * w).sum() / denom

@@ -45,6 +45,9 @@ class DataConfig:
       raise EagleJaxError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
     if self.max_len > self.row_len:
       raise EagleJaxError(f"max_len ({self.max_len}) must not exceed row_len ({self.row_len})")
+    if self.max_len < 2 or self.train_rows < 0 or self.heldout_rows < 0:
+      raise EagleJaxError(f"data.max_len must be >= 2 and data.train_rows, data.heldout_rows >= 0; got "
+                          f"{self.max_len}, {self.train_rows}, {self.heldout_rows}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,14 @@ class FeatureConfig:
   batch_rows: int = 8
   rows_per_shard: int = 64
   layers: tuple[int, ...] = ()  # () = EAGLE-3's default low/mid/high layers of the target
+
+  def validate(self):
+    if self.batch_rows < 1 or self.rows_per_shard < 1:
+      raise EagleJaxError(f"features.batch_rows and features.rows_per_shard must be >= 1, got "
+                          f"{self.batch_rows} and {self.rows_per_shard}")
+    if any(i < 0 for i in self.layers):
+      raise EagleJaxError(f"features.layers are Hugging Face hidden_states indices (>= 0), got "
+                          f"{list(self.layers)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +74,13 @@ class EagleConfig:
   reg_weight: float = 1.0
   step_decay: float = 0.8
   feature_noise: float = 0.2
+
+  def validate(self):
+    if self.ttt_steps < 1 or self.eval_steps < 1:
+      raise EagleJaxError(f"eagle.ttt_steps and eagle.eval_steps must be >= 1, got "
+                          f"{self.ttt_steps} and {self.eval_steps}")
+    if self.draft_vocab < 0:
+      raise EagleJaxError(f"eagle.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +147,11 @@ class TrainConfig:
     if self.drafter == "eagle1" and (self.eagle.draft_vocab or self.eagle.ttt_steps != 1):
       raise EagleJaxError("eagle1 trains with ttt_steps=1 and the full vocabulary "
                           "(eagle.draft_vocab and eagle.ttt_steps are EAGLE-3 settings)")
+    if (self.drafter == "medusa" and self.tune.enabled
+        and min(self.data.heldout_rows, self.loop.eval_rows) < self.loop.batch_rows):
+      raise EagleJaxError("medusa's tree tuning reads held-out rank accuracies: data.heldout_rows and "
+                          f"loop.eval_rows must be >= loop.batch_rows={self.loop.batch_rows} "
+                          "(or set tune.enabled=false)")
 
 
 class _Encoded:
@@ -155,6 +178,9 @@ def feature_caches(cfg: TrainConfig, lm, *, progress=True):
   from eagle_jax.sharegpt import load_sharegpt, split_heldout
 
   layers = cfg.features.layers or default_fuse_layers(lm.config.num_layers)
+  if max(layers) > lm.config.num_layers:
+    raise EagleJaxError(f"features.layers {list(layers)}: {cfg.model} has hidden_states 0..."
+                        f"{lm.config.num_layers} ({lm.config.num_layers} layers)")
   spec = FeatureSpec(model=cfg.model, row_len=cfg.data.row_len, max_len=cfg.data.max_len,
                      layers=tuple(layers), rows_per_shard=cfg.features.rows_per_shard,
                      batch_rows=cfg.features.batch_rows)
@@ -257,6 +283,8 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
                  eval_hook=decode_eval_hook(cfg, lm))
   final = os.path.join(run_dir, "final")
   export_drafter(result.module, final, {"drafter": cfg.drafter, "model": cfg.model,
+                                        "split": {"heldout_fraction": cfg.data.heldout_fraction,
+                                                  "split_seed": cfg.data.split_seed},
                                         "steps": result.steps, "train_tokens": result.tokens,
                                         "train_seconds": round(result.seconds, 1),
                                         "heldout": {k: round(v, 4) for k, v in result.last_eval.items()

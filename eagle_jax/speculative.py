@@ -2,7 +2,8 @@
 
 Every drafter plugs into the same verify step (:mod:`eagle_jax.verify`), so acceptance figures
 are comparable and outputs are the target's. Statistics per step and row: the number of
-accepted draft tokens (-1 once the row has finished) and the depth that was drafted.
+accepted draft tokens (-1 once the row has finished) and the depth drafted below the accepted
+path's end (the deepest drafted node in the subtree of the last accepted node).
 
 Verify widths: a drafter may declare a ladder of node counts (``widths``, ascending, the largest
 = ``num_nodes``; default ``(num_nodes,)``). Each step the loop verifies the smallest width that
@@ -17,7 +18,8 @@ would never run.
 Counting convention: **tau** = tokens emitted per target verify pass, *including* the target's
 bonus token (accepted drafts + 1), averaged over verify passes; the prefill pass that emits
 the first token is not counted. **n-alpha** = P(draft token at depth n accepted | depths
-1..n-1 accepted and a depth-n token was drafted).
+1..n-1 accepted and a depth-n token was drafted under the accepted depth-(n-1) node; in a
+tree, a depth-n node on a rejected branch is no attempt at depth n).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class SpecGeneration:
   tokens: list[list[int]]
   num_new: list[int]
   accepted: list[list[int]]  # per row: accepted draft tokens at each verify step
-  drafted_depth: list[list[int]]  # per row: deepest drafted node at each verify step
+  # per row and verify step: the deepest drafted node at or below the accepted path's end
+  # (a chain: its length; 0: nothing drafted)
+  drafted_depth: list[list[int]]
   accepted_slots: list[list[tuple[int, ...]]]  # per row and step: tree slots of the accepted path
   seconds: float
   compile_seconds: float
@@ -152,7 +156,12 @@ def _target_pass(model, cache, root_B, draft: Draft, key, params, max_depth, lay
   emitted_BxK = emitted_BxK.at[jnp.arange(b), a_B].set(verdict.bonus_B)
   slots_BxK = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path_BxD], 1)
   features_BxKxD = jnp.take_along_axis(features_of(out, layers), slots_BxK[:, :, None], 1)
-  depth_drafted_B = jnp.max(jnp.where(valid_BxM, depth_BxM, 0), axis=1)
+  # the deepest drafted node at or below the accepted path's end (a chain: its length). n-alpha
+  # counts depth a + 1 as tried only if something was drafted below the accepted node: in a
+  # tree, a deeper node on another branch is no attempt at that depth.
+  last_B = jnp.where(a_B > 0, jnp.take_along_axis(verdict.path_BxD, jnp.maximum(a_B - 1, 0)[:, None], 1)[:, 0], 0)
+  below_BxM = valid_BxM & jnp.take_along_axis(mask_BxMxM, last_B[:, None, None], 2)[..., 0]
+  depth_drafted_B = jnp.max(jnp.where(below_BxM, depth_BxM, 0), axis=1)
   return commit(out.cache, verdict), verdict, emitted_BxK, features_BxKxD, depth_drafted_B
 
 

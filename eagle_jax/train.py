@@ -58,13 +58,19 @@ class LoopConfig:
   seed: int = 0
   log_every: int = 10
   eval_every: int = 100  # 0 = only at the end
-  eval_rows: int = 32
+  eval_rows: int = 32  # held-out rows per evaluation, in whole batches of batch_rows (0 = none)
   ckpt_every: int = 50
   keep_checkpoints: int = 2
 
   def validate(self):
-    if self.epochs <= 0 or self.batch_rows < 1 or self.ckpt_every < 1:
-      raise EagleJaxError("epochs must be > 0, batch_rows and ckpt_every >= 1")
+    if self.epochs <= 0:
+      raise EagleJaxError(f"loop.epochs must be > 0, got {self.epochs}")
+    for key in ("batch_rows", "log_every", "ckpt_every", "keep_checkpoints"):
+      if getattr(self, key) < 1:
+        raise EagleJaxError(f"loop.{key} must be >= 1, got {getattr(self, key)}")
+    for key in ("eval_every", "eval_rows"):
+      if getattr(self, key) < 0:
+        raise EagleJaxError(f"loop.{key} must be >= 0, got {getattr(self, key)}")
 
 
 class Task(Protocol):
@@ -80,18 +86,22 @@ class Task(Protocol):
 
 def sample_positions(key: jax.Array, valid_BxT: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
   """``n`` positions per row drawn uniformly without replacement among the valid ones (all of
-  them when fewer are valid): ``(idx_BxN, weight_BxN)``, weight 1 for valid picks, else 0.
+  them when fewer are valid): ``(idx_BxN, weight_BxN)``. A valid pick weighs its row's valid
+  count over its picks (the inverse of its chance of being drawn), anything else 0.
 
   Losses whose cost is dominated by a vocabulary-sized output layer evaluate it only at these
-  positions: an unbiased estimate of the full mean at a fraction of the cost. ``n <= 0`` or
-  ``n >= T`` keeps every position.
+  positions: ``sum(weight * loss) / sum(weight)`` estimates the mean over every valid position
+  of the batch (weight 1 per pick would over-weigh rows with fewer valid positions) at a
+  fraction of the cost. ``n <= 0`` or ``n >= T`` keeps every position.
   """
   b, t = valid_BxT.shape
   if n <= 0 or n >= t:
     return jnp.broadcast_to(jnp.arange(t), (b, t)), valid_BxT.astype(jnp.float32)
-  score_BxT = jax.random.uniform(key, (b, t)) + valid_BxT.astype(jnp.float32)
-  _, idx_BxN = jax.lax.top_k(score_BxT, n)
-  return idx_BxN, jnp.take_along_axis(valid_BxT, idx_BxN, 1).astype(jnp.float32)
+  valid_f = valid_BxT.astype(jnp.float32)
+  _, idx_BxN = jax.lax.top_k(jax.random.uniform(key, (b, t)) + valid_f, n)
+  picked_BxN = jnp.take_along_axis(valid_f, idx_BxN, 1)
+  scale_Bx1 = valid_f.sum(1, keepdims=True) / jnp.maximum(picked_BxN.sum(1, keepdims=True), 1.0)
+  return idx_BxN, picked_BxN * scale_Bx1
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -142,6 +152,11 @@ def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_di
 
   if data.num_rows < loop.batch_rows:
     raise EagleJaxError(f"{data.root}: {data.num_rows} rows, fewer than batch_rows={loop.batch_rows}")
+  if heldout is not None and 0 < min(loop.eval_rows, heldout.num_rows) < loop.batch_rows:
+    raise EagleJaxError(f"held-out evaluation runs in whole batches of loop.batch_rows={loop.batch_rows}, "
+                        f"but it has {min(loop.eval_rows, heldout.num_rows)} rows (loop.eval_rows="
+                        f"{loop.eval_rows}, {heldout.num_rows} held-out rows); raise them or set "
+                        "loop.eval_rows=0")
   per_epoch = data.num_rows // loop.batch_rows
   total = max(int(round(loop.epochs * per_epoch)), 1)
   module = task.init_module(nnx.Rngs(loop.seed))

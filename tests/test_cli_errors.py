@@ -110,3 +110,53 @@ def test_prompt_longer_than_cache(capsys):
   err = _run_error(capsys, ["generate", "--max-cache-len", "64", "--max-new-tokens", "32",
                             "Tell me about the history of the Roman Empire in detail."])
   assert "cache length 64" in err
+
+
+@pytest.mark.parametrize("cfg, expected", [
+    (dict(hidden_size=None), "invalid value"),
+    (dict(hidden_size="wide"), "invalid value"),
+    (dict(num_attention_heads=0), "num_attention_heads must be a positive integer"),
+    (dict(rope_scaling="linear"), "rope_scaling must be an object"),
+])
+def test_bad_config_values(capsys, tmp_path, cfg, expected):
+  folder = _hf_folder(tmp_path, **cfg)
+  assert expected in _run_error(capsys, ["generate", "--model", str(folder), "hi"])
+
+
+def test_config_json_not_an_object(capsys, tmp_path):
+  folder = _hf_folder(tmp_path)
+  (folder / "config.json").write_text("[1, 2]")
+  assert "expected a JSON object" in _run_error(capsys, ["generate", "--model", str(folder), "hi"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("loop.log_every=0", "loop.log_every must be >= 1"),
+    ("loop.eval_rows=-1", "loop.eval_rows must be >= 0"),
+    ("features.batch_rows=0", "features.batch_rows and features.rows_per_shard must be >= 1"),
+    ("features.rows_per_shard=0", "features.batch_rows and features.rows_per_shard must be >= 1"),
+    ("features.layers=[-1]", "features.layers are Hugging Face hidden_states indices"),
+    ("eagle.ttt_steps=0", "eagle.ttt_steps and eagle.eval_steps must be >= 1"),
+    ("data.train_rows=-5", "data.train_rows, data.heldout_rows >= 0"),
+])
+def test_train_config_values_fail_before_any_work(capsys, tmp_path, override, expected):
+  config = tmp_path / "c.yaml"
+  config.write_text(f"name: x\ndrafter: eagle3\nruns_dir: {tmp_path / 'runs'}\n")
+  err = _run_error(capsys, ["train", str(config), override])
+  assert expected in err and str(config) in err
+  assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_medusa_tuning_needs_heldout_batches(capsys, tmp_path):
+  config = tmp_path / "m.yaml"
+  config.write_text(f"name: m\ndrafter: medusa\nruns_dir: {tmp_path}\ndata: {{heldout_rows: 2}}\n")
+  assert "held-out rank accuracies" in _run_error(capsys, ["train", str(config)])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["tune", "x", "--top-ks", "4,a"], "argument --top-ks: expected comma-separated integers"),
+    (["bench", "draft-sizes", "--shapes", "L4"], "argument --shapes: expected L<layers>-d<width>"),
+])
+def test_list_arguments_are_parsed_by_argparse(capsys, argv, expected):
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  assert e.value.code == 2 and expected in capsys.readouterr().err

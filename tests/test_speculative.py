@@ -119,6 +119,31 @@ def test_acceptance_rates_counting():
   assert rates == [2 / 3, 2 / 2, 1 / 2]
 
 
+def test_drafted_depth_counts_only_the_subtree_of_the_accepted_path(tiny):
+  """A deeper node on a rejected branch is no attempt below the accepted one (n-alpha)."""
+  from eagle_jax.model import KVCache
+  from eagle_jax.sampling import SamplingParams
+  from eagle_jax.speculative import _target_pass
+
+  model = tiny()
+  prompt = jnp.array([[3, 4, 5, 6]], jnp.int32)
+  out = model(prompt[:, :3], jnp.arange(3)[None], KVCache.init(model.config, 1, 32))
+  cont = model(prompt[:, 3:], jnp.array([[3]]), out.cache)
+  good = int(jnp.argmax(cont.logits_BxTxV[0, -1]))
+  bad = (good + 1) % model.config.vocab_size
+  # slot 1: the target's token, a leaf; slot 2: a wrong sibling; slot 3: slot 2's child (depth 2)
+  def depth_for(tokens, parents):
+    draft = Draft(tokens_BxN=jnp.array([tokens], jnp.int32), parents_BxN=jnp.array([parents], jnp.int32),
+                  valid_BxN=jnp.ones((1, len(tokens)), bool), q_BxNxV=None)
+    _, verdict, _, _, depth_B = _target_pass(model, out.cache, prompt[:, 3], draft, jax.random.key(0),
+                                             SamplingParams(temperature=0.0), 2)
+    return int(verdict.num_accepted_B[0]), int(depth_B[0])
+
+  assert depth_for([good, bad, 7], [0, 0, 2]) == (1, 1)  # nothing under the accepted leaf
+  assert depth_for([good, bad, 7], [0, 0, 1]) == (1, 2)  # slot 3 is under it: tried at depth 2
+  assert depth_for([bad, bad, 7], [0, 0, 2]) == (0, 2)  # nothing accepted: the whole tree
+
+
 @pytest.mark.parametrize("name", ["draft-model", "self-draft", "target", "pld", "pld-widths"])
 def test_sampling_end_to_end_matches_vanilla(name):
   """Sampled continuations (tokens 2-3) of a tiny model: spec vs vanilla, two-sample chi-square."""
@@ -199,3 +224,13 @@ def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
   assert timed == [1, 2, 4]  # same architecture, other weights: size 2 is not timed again
   costs.verify_cost_curve(tiny(num_layers=3), sizes=(2,), repeats=1)
   assert timed == [1, 2, 4, 2]  # another architecture is
+
+
+def test_short_cache_below_the_padded_prompt_width(tiny):
+  """A 70-token prompt pads to 128 columns; a 100-slot cache still holds prompt and reply."""
+  target = tiny()
+  prompt = [[(5 * i) % 40 + 3 for i in range(70)]]
+  want = generate(target, prompt, max_new_tokens=10, max_cache_len=100).tokens
+  gen = speculative_generate(target, PromptLookupDrafter(gamma=4), None, prompt, max_new_tokens=10,
+                             max_cache_len=100)
+  assert gen.tokens == want

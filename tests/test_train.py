@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -136,3 +138,37 @@ def test_training_reduces_loss(tmp_path, version):
   assert log[-1]["loss"] < log[0]["loss"]
   assert "heldout_tau_proxy" in log[-1] and 1.0 <= log[-1]["heldout_tau_proxy"]
   assert result.steps == log[-1]["step"] and result.resumed_from is None
+
+
+def test_sample_positions_weights_estimate_the_mean_over_every_valid_position():
+  from eagle_jax.train import sample_positions
+
+  valid = jnp.array([[1] * 30 + [0] * 2, [1] * 4 + [0] * 28, [0] * 32], bool)
+  value = jnp.arange(3 * 32, dtype=jnp.float32).reshape(3, 32)  # differs by row and position
+  truth = float((value * valid).sum() / valid.sum())
+  idx, w = sample_positions(jax.random.key(0), valid, 8)
+  assert idx.shape == (3, 8)
+  assert jnp.all(jnp.where(w > 0, jnp.take_along_axis(valid, idx, 1), True))  # only valid picks weigh
+  np.testing.assert_allclose(w.sum(1), valid.sum(1))  # each row weighs its valid count
+  ests = []
+  for i in range(400):
+    idx, w = sample_positions(jax.random.key(i), valid, 8)
+    ests.append(float((jnp.take_along_axis(value, idx, 1) * w).sum() / w.sum()))
+  assert abs(np.mean(ests) - truth) < 0.5  # weight 1 per pick: about 20.8 against 16.7
+  idx, w = sample_positions(jax.random.key(0), valid, 32)  # n >= T: every position, weight 1
+  assert idx.shape == (3, 32) and jnp.array_equal(w, valid.astype(jnp.float32))
+
+
+def test_heldout_smaller_than_one_batch_is_refused_before_training(tmp_path):
+  import dataclasses
+
+  from eagle_jax.errors import EagleJaxError
+  from eagle_jax.train import OptimConfig, train
+
+  feats = str(tmp_path / "features")
+  tiny_training.make_features(feats)
+  data = FeatureShards(feats)
+  loop = dataclasses.replace(tiny_training.LOOP, eval_rows=1)  # batch_rows=2: no whole batch
+  with pytest.raises(EagleJaxError, match="whole batches of loop.batch_rows=2"):
+    train(tiny_training.task(), data, data, str(tmp_path / "run"), loop, OptimConfig())
+  assert not (tmp_path / "run").exists()

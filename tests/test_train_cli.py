@@ -153,3 +153,22 @@ def test_bench_spec_rows_name_their_checkpoints(trained):
   for name in ("pld", "medusa", "draft-model"):
     assert rows[name]["greedy_matches_vanilla"] == 2 and rows[name]["tau"] >= 1.0
     assert rows[name]["speedup"] > 0 and len(rows[name]["n_alpha"]) >= 1
+
+
+def test_tune_uses_the_runs_own_target_and_heldout_split(tmp_path, monkeypatch, capsys):
+  """Budget tuning decodes held-out prompts: those of the run's split, never its training data."""
+  import eagle_jax.pipeline
+  import eagle_jax.registry
+
+  final = tmp_path / "run" / "final"
+  final.mkdir(parents=True)
+  (final / "drafter.json").write_text(json.dumps({
+      "drafter": "eagle3", "model": "/some/target", "split": {"heldout_fraction": 0.05, "split_seed": 7}}))
+  seen = {}
+  monkeypatch.setattr(eagle_jax.registry, "load_model", lambda name: seen.setdefault("model", name))
+  monkeypatch.setattr(eagle_jax.pipeline, "tune_run",
+                      lambda path, lm, cfg: seen.update(cfg=cfg) or {"top_k": 2})
+  assert main(["tune", str(tmp_path / "run"), "--top-ks", "2,3"]) == 0
+  assert seen["model"] == "/some/target" and seen["cfg"].model == "/some/target"
+  assert (seen["cfg"].data.heldout_fraction, seen["cfg"].data.split_seed) == (0.05, 7)
+  assert seen["cfg"].tune.top_ks == (2, 3)
