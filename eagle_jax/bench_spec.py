@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-from eagle_jax.costs import verify_cost_curve
+from eagle_jax.costs import sizes_up_to, verify_cost_curve
 from eagle_jax.data import load_mtbench, pick_questions
 from eagle_jax.drafters.factory import (EAGLE_VERSION, DrafterOptions, find_checkpoint, make_drafter,
                                         method_spec)
@@ -97,11 +97,18 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
   questions = pick_questions(load_mtbench(), num_prompts)
   prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
   params = SamplingParams(temperature=temperature)
-  curve = verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 26, 32, 64))
   drafters, runs, specs = {}, {}, {name: method_spec(name, options) for name in methods}
   for name in methods:
     kind, opts = specs[name]
     drafter, dparams = drafters[name] = make_drafter(kind, target, opts, model)
+  # the printed grid, extended past the largest tree here (n nodes + the root) so that its cost
+  # is interpolated, never clamped to the grid's end
+  largest = max((d.num_nodes for d, _ in drafters.values() if d is not None), default=0)
+  sizes = {1, 2, 4, 8, 16, 26, 32, 64}
+  sizes |= {max(sizes_up_to(largest))} if largest + 1 > max(sizes) else set()
+  curve = verify_cost_curve(target, sizes=tuple(sorted(sizes)))
+  for name in methods:
+    drafter, dparams = drafters[name]
     if drafter is None:
       runs[name] = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
     else:
@@ -109,7 +116,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
           target, d, dp, [p], max_new_tokens=n, params=params, stop_ids=())
   timed = _timed_runs(runs, prompts, max_new_tokens, repeats)
   results, vanilla_tokens = {}, None
-  for name in methods:
+  for name in sorted(methods, key=lambda n: specs[n][0] != "vanilla"):  # speedups need vanilla first
     drafter, dparams = drafters[name]
     kind, opts = specs[name]
     gens = timed[name]

@@ -108,10 +108,17 @@ def _tune_setting(head, target, prompts, curve, k, depth, max_nodes, max_new_tok
                              stop_ids=())
   tau = tau_by_budget(gen.accepted_slots, n_max)
   d_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
+  # a budget of n < depth nodes drafts only n levels (EagleDrafter clamps the depth): time the
+  # drafter that will run, not the full-depth one
+  shallow = {}
+  for n in range(1, min(depth, n_max + 1)):
+    d, dp = EagleDrafter.create(head, target, None, draft_ids=ids, top_k=k, depth=depth, total_tokens=n)
+    shallow[n] = draft_cost_ms(d, dp, target, prompts[0])
   xs = sorted(curve)
   rows = []
   for n in range(1, n_max + 1):
-    cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + d_ms
+    cost = float(np.interp(n + 1, xs, [curve[x] for x in xs])) + shallow.get(n, d_ms)
     rows.append({"total_tokens": n, "tau": round(float(tau[n]), 3),
                  "ms_per_step": round(cost, 2), "tokens_per_s": round(1000 * tau[n] / cost, 2)})
-  return {"draft_ms": round(d_ms, 2), "rows": rows}
+  return {"draft_ms": round(d_ms, 2), "draft_ms_by_budget": {n: round(v, 2) for n, v in shallow.items()},
+          "rows": rows}

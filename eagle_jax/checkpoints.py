@@ -35,6 +35,17 @@ def read_config(folder: str) -> ModelConfig:
       cfg = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise EagleJaxError(f"{path}: invalid JSON ({e})") from None
+  gen_path = os.path.join(folder, "generation_config.json")
+  if isinstance(cfg, dict) and os.path.isfile(gen_path):  # generation stops at its EOS ids too
+    try:
+      with open(gen_path) as f:
+        gen_eos = json.load(f).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+      raise EagleJaxError(f"{gen_path}: invalid generation config ({type(e).__name__}: {e})") from None
+    ids = lambda x: [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+    merged = list(dict.fromkeys(ids(cfg.get("eos_token_id")) + ids(gen_eos)))
+    if merged:
+      cfg = {**cfg, "eos_token_id": merged}
   return ModelConfig.from_hf_dict(cfg, source=path)
 
 
@@ -44,8 +55,10 @@ def _weight_files(folder: str) -> list[str]:
     try:
       with open(index) as f:
         files = sorted(set(json.load(f)["weight_map"].values()))
-    except (json.JSONDecodeError, KeyError) as e:
-      raise EagleJaxError(f"{index}: invalid safetensors index ({e})") from None
+      if not all(isinstance(n, str) for n in files):
+        raise TypeError("shard names must be strings")
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+      raise EagleJaxError(f"{index}: invalid safetensors index ({type(e).__name__}: {e})") from None
   else:
     files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and n != BLOCKS_FILE)
     if not files:
@@ -147,14 +160,23 @@ def load_hf_folder(folder: str, param_dtype=jnp.float32) -> tuple[ModelConfig, T
     raise EagleJaxError(f"checkpoint folder not found: {folder}")
   config = read_config(folder)
   tensors = read_safetensors(folder)
+  used = set()
 
   def get(name):
     if name not in tensors:
       raise EagleJaxError(f"{folder}: weight {name!r} missing from the safetensors files")
+    used.add(name)
     return tensors[name]
 
   model = abstract_model(config, param_dtype)
   load_weights(model, get, param_dtype, read_blocks(folder))
+  # a tensor this model has no place for (an o_proj or MLP bias, an extra layer) would be
+  # silently dropped and the logits would differ from the checkpoint's own model: refuse it
+  ignorable = lambda n: n.endswith("rotary_emb.inv_freq") or (n == "lm_head.weight" and config.tie_word_embeddings)
+  unused = sorted(n for n in tensors if n not in used and not ignorable(n))
+  if unused:
+    raise EagleJaxError(f"{folder}: {len(unused)} checkpoint tensor(s) have no place in this "
+                        f"{config.architecture} model, e.g. {unused[0]!r} (an unsupported variant)")
   leftover = [p for p in jax.tree.leaves(nnx.state(model)) if isinstance(p, jax.ShapeDtypeStruct)]
   assert not leftover, f"{len(leftover)} parameters were not loaded"
   return config, model

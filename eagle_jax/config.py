@@ -90,6 +90,12 @@ class ModelConfig:
           high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
           original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
       )
+      # sliding-window attention (Mistral; Qwen2 when use_sliding_window) equals full attention
+      # while the sequence fits in the window, so the cache is capped at the window
+      max_positions = int(cfg.get("max_position_embeddings", 8192))
+      window = cfg.get("sliding_window") if (model_type == "mistral" or cfg.get("use_sliding_window")) else None
+      if window:
+        max_positions = min(max_positions, int(window))
       eos = cfg.get("eos_token_id")
       eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
       return cls(
@@ -105,7 +111,7 @@ class ModelConfig:
           rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
           tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
           attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-          max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+          max_position_embeddings=max_positions,
           architecture=model_type,
           bos_token_id=cfg.get("bos_token_id"),
           eos_token_ids=eos_ids,

@@ -35,19 +35,31 @@ def load_jsonl_prompts(path: str) -> list[Question]:
   """Reads ``{"turns": [...]}`` or ``{"prompt": "..."}`` records (optional id, category)."""
   if not os.path.isfile(path):
     raise EagleJaxError(f"prompt file not found: {path}")
-  out = []
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise EagleJaxError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-      turns = rec.get("turns") or ([rec["prompt"]] if "prompt" in rec else None)
-      if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-        raise EagleJaxError(f"{path}:{n}: record needs non-empty 'turns' (list) or 'prompt' (string)")
-      out.append(Question(str(rec.get("question_id", n)), str(rec.get("category", "custom")), tuple(turns)))
+  out, seen = [], {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = list(f)
+  except UnicodeDecodeError as e:
+    raise EagleJaxError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise EagleJaxError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+    if not isinstance(rec, dict):
+      raise EagleJaxError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+    turns = rec.get("turns") if "turns" in rec else [rec["prompt"]] if "prompt" in rec else None
+    if (not isinstance(turns, list) or not turns
+        or not all(isinstance(t, str) and t.strip() for t in turns)):
+      raise EagleJaxError(f"{path}:{n}: record needs non-empty 'turns' (a list of strings) or "
+                          "'prompt' (a string)")
+    qid = str(rec.get("question_id", n))
+    if qid in seen:  # answers and references are matched by id
+      raise EagleJaxError(f"{path}:{n}: question_id {qid!r} already used on line {seen[qid]}")
+    seen[qid] = n
+    out.append(Question(qid, str(rec.get("category", "custom")), tuple(turns)))
   if not out:
     raise EagleJaxError(f"{path}: no prompts")
   return out
@@ -59,8 +71,11 @@ def load_mtbench() -> list[Question]:
 
 
 def pick_questions(questions: list[Question], num: int = 0, categories=()) -> list[Question]:
-  """``num`` questions (0 = all) spread evenly over categories (the first of each, in turn),
-  optionally restricted to ``categories``; file order is kept within a category."""
+  """``num`` questions (0 = all) spread evenly over categories (the first of each, in turn,
+  round-robin: a category that runs out leaves its share to the others), optionally restricted
+  to ``categories``; grouped by category, in file order within one."""
+  if num < 0:
+    raise EagleJaxError(f"number of questions must be >= 0 (0 = all), got {num}")
   by_cat = collections.defaultdict(list)
   for q in questions:
     if not categories or q.category in categories:
@@ -70,5 +85,9 @@ def pick_questions(questions: list[Question], num: int = 0, categories=()) -> li
     raise EagleJaxError(f"no prompts in categories {missing}; have: {sorted({q.category for q in questions})}")
   if not num or num >= sum(len(v) for v in by_cat.values()):
     return [q for qs in by_cat.values() for q in qs]
-  per = -(-num // len(by_cat))
-  return [q for qs in by_cat.values() for q in qs[:per]][:num]
+  taken = {c: 0 for c in by_cat}
+  while sum(taken.values()) < num:
+    for c, qs in by_cat.items():
+      if taken[c] < len(qs) and sum(taken.values()) < num:
+        taken[c] += 1
+  return [q for c, qs in by_cat.items() for q in qs[:taken[c]]]

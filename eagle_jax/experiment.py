@@ -25,8 +25,10 @@ runner checks that every method's tokens equal vanilla's and counts mismatches.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
 from typing import Literal
 
 from eagle_jax.configs import dump_config, load_config, to_dict
@@ -61,6 +63,8 @@ class MethodConfig:
     return self.drafter or self.name
 
   def validate(self):
+    if not re.fullmatch(r"[A-Za-z0-9_.+=:-]+", self.name):  # it names the method's record files
+      raise EagleJaxError(f"method name {self.name!r}: use letters, digits and _.+=:- only")
     if self.kind not in DRAFTERS:
       raise EagleJaxError(f"method {self.name!r}: unknown drafter {self.kind!r}; choose from: "
                           f"{', '.join(DRAFTERS)}")
@@ -125,12 +129,12 @@ def ensure_checkpoint(method: MethodConfig, cfg: ExperimentConfig, progress: boo
     return method.checkpoint
   if not method.train:
     return find_checkpoint(method.kind, cfg.runs_dir, cfg.model)
-  from eagle_jax.pipeline import TrainConfig, run_training
+  from eagle_jax.pipeline import TrainConfig, run_finished, run_training
 
   overrides = (f"runs_dir={cfg.runs_dir}", f"model={cfg.model}") + tuple(method.train_overrides)
   tcfg = load_config(TrainConfig, method.train, overrides)
   final = os.path.join(tcfg.runs_dir, tcfg.name, "final")
-  if not os.path.isfile(os.path.join(final, "drafter.json")):
+  if not run_finished(tcfg):  # resumes an interrupted run (its training or its tuning)
     print(f"[run] training {method.name}: {method.train} -> {final}", flush=True)
     run_training(method.train, overrides, progress=progress)
   return final
@@ -206,10 +210,33 @@ def _write_atomic(path, text):
   os.replace(tmp, path)
 
 
+def _machine() -> dict:
+  """Where timings were taken: records timed elsewhere are not mixed into one speedup."""
+  import jax
+
+  return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+          "cpus": os.cpu_count()}
+
+
+def _checkpoint_key(checkpoint: str | None) -> dict | None:
+  """A trained checkpoint as a cache key: its folder and its ``drafter.json`` (steps, tuned
+  budget), so that retraining or ``eagle-jax tune`` invalidates the records made with it."""
+  from eagle_jax.exported import read_meta
+
+  return None if checkpoint is None else {"path": checkpoint, "meta": read_meta(checkpoint)}
+
+
+def _prompts_key(questions) -> dict:
+  """The questions' ids and a digest of their text and categories."""
+  text = json.dumps([[q.question_id, q.category, list(q.turns)] for q in questions])
+  return {"ids": [q.question_id for q in questions], "sha1": hashlib.sha1(text.encode()).hexdigest()}
+
+
 def _unit(out, cfg, method: MethodConfig, temperature, checkpoint, prompts_key, stem=None):
   """``(records path, key)`` of one (method, temperature) evaluation."""
-  key = {"model": cfg.model, "method": to_dict(method), "checkpoint": checkpoint,
-         "temperature": temperature, "eval": to_dict(cfg.eval), "prompts": prompts_key}
+  key = {"model": cfg.model, "method": to_dict(method), "checkpoint": _checkpoint_key(checkpoint),
+         "temperature": temperature, "eval": to_dict(cfg.eval), "prompts": prompts_key,
+         "machine": _machine()}
   if stem:  # not a method's records (notebooks read records/<method>-T<temperature>.jsonl)
     return os.path.join(out, f"{stem}.jsonl"), key
   return os.path.join(out, "records", f"{method.name}-T{temperature}.jsonl"), key
@@ -257,7 +284,7 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
   checkpoints = {m.name: ensure_checkpoint(m, cfg, progress) if m.kind in TRAINED else None
                  for m in cfg.methods}
   questions = questions_for(cfg.eval)
-  qkey = [q.question_id for q in questions]
+  qkey = _prompts_key(questions)
   first_answers = None
   if 2 in cfg.eval.turns:  # the target's own greedy first answers
     ev1 = dataclasses.replace(cfg.eval, turns=(1,))
@@ -270,6 +297,9 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
       _store(apath, akey, answers)
     first_answers = {r["id"]: r["token_ids"] for r in answers}
   prompts = build_prompts(lm, questions, cfg.eval.turns, first_answers)
+  if not prompts:
+    raise EagleJaxError(f"{path}: no prompts to evaluate: none of the {len(questions)} questions "
+                        f"has the turns {list(cfg.eval.turns)}")
   units, drafters = {}, {}
   costs_path = os.path.join(out, "costs.json")
   costs = _load_costs(costs_path, cfg.model)
@@ -297,11 +327,11 @@ def _load_costs(path, model) -> dict:
   try:
     with open(path) as f:
       costs = json.load(f)
-    if costs.get("model") == model:
+    if costs.get("model") == model and costs.get("machine") == _machine():
       return costs
-  except (OSError, ValueError):
+  except (OSError, ValueError, AttributeError):
     pass
-  return {"model": model, "verify_cost_ms": {}, "draft_ms": {}, "num_nodes": {}}
+  return {"model": model, "machine": _machine(), "verify_cost_ms": {}, "draft_ms": {}, "num_nodes": {}}
 
 
 def _measure_costs(costs, name, target, drafter, dparams, prompt) -> None:

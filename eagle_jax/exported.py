@@ -38,14 +38,25 @@ def read_meta(path: str) -> dict:
   if not os.path.isfile(meta_path):
     raise EagleJaxError(f"{path}: no trained drafter here (drafter.json missing; train one with "
                         "eagle-jax train CONFIG)")
-  with open(meta_path) as f:
-    return json.load(f)
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise EagleJaxError(f"{meta_path}: unreadable drafter metadata ({e}); re-run the training "
+                        "(it re-exports) or delete the run") from None
+  if not isinstance(meta, dict):
+    raise EagleJaxError(f"{meta_path}: expected a JSON object")
+  return meta
 
 
 def write_meta(folder: str, meta: dict) -> None:
-  """Writes ``folder/drafter.json`` (``folder`` is the export folder itself)."""
-  with open(os.path.join(folder, "drafter.json"), "w") as f:
+  """Writes ``folder/drafter.json`` (``folder`` is the export folder itself), atomically: a
+  reader never sees a half-written file, even if the writer is killed."""
+  path = os.path.join(folder, "drafter.json")
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
     json.dump(meta, f, indent=1)
+  os.replace(tmp, path)
 
 
 def export_drafter(module, folder: str, meta: dict, tokenizer_folder: str | None = None) -> None:

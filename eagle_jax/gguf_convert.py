@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from eagle_jax.config import ModelConfig
+from eagle_jax.config import ModelConfig, RopeScaling
 from eagle_jax.errors import EagleJaxError
 
 _LAYER_NAMES = {
@@ -47,6 +47,14 @@ def unpermute_qk(w_OxI: np.ndarray, num_heads: int) -> np.ndarray:
   return w.swapaxes(1, 2).reshape(w_OxI.shape)
 
 
+def source_marker(path: str) -> dict:
+  """What a conversion records of its GGUF file (``source.json``); a file whose marker differs
+  (moved, replaced even by one of the same size, or an older converter) is converted again."""
+  stat = os.stat(path)
+  return {"converted_from": os.path.abspath(path), "size": stat.st_size,
+          "mtime_ns": stat.st_mtime_ns, "format": FORMAT}
+
+
 def _field(reader, key, default=None):
   field = reader.fields.get(key)
   if field is None:
@@ -68,12 +76,17 @@ def _config_from_gguf(reader, path: str) -> ModelConfig:
   names = {t.name for t in reader.tensors}
   vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
   eos = _field(reader, "tokenizer.ggml.eos_token_id")
+  scaling = str(get("rope.scaling.type", "none"))
+  if scaling not in ("none", "linear"):
+    raise EagleJaxError(f"{path}: unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
+  rope = (RopeScaling(rope_type="linear", factor=float(get("rope.scaling.factor", 1.0)))
+          if scaling == "linear" else RopeScaling())
   return ModelConfig(
       vocab_size=int(vocab), hidden_size=hidden,
       intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
       num_heads=num_heads, num_kv_heads=int(get("attention.head_count_kv", num_heads)),
       head_dim=int(get("rope.dimension_count", hidden // num_heads)),
-      rope_theta=float(get("rope.freq_base", 10000.0)),
+      rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=rope,
       rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
       tie_word_embeddings="output.weight" not in names,
       max_position_embeddings=int(get("context_length", 4096)), architecture="llama",
@@ -158,7 +171,12 @@ def convert_gguf(path: str, out_dir: str) -> str:
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
   try:
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    try:
+      tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                          gguf_file=os.path.basename(path))
+    except Exception as e:  # no or unreadable tokenizer.ggml.* metadata
+      raise EagleJaxError(f"{path}: cannot build the tokenizer from its GGUF metadata "
+                          f"({type(e).__name__}: {e})") from None
     tok.save_pretrained(tmp)
     save_file(tensors, os.path.join(tmp, "model.safetensors"))
     if blocks:
@@ -167,8 +185,7 @@ def convert_gguf(path: str, out_dir: str) -> str:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config.to_hf_dict(), f, indent=2)
     with open(os.path.join(tmp, "source.json"), "w") as f:
-      json.dump({"converted_from": os.path.abspath(path), "size": os.path.getsize(path),
-                 "format": FORMAT}, f)
+      json.dump(source_marker(path), f)
     if os.path.exists(out_dir):
       shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

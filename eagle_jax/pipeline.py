@@ -111,6 +111,10 @@ class TuneConfig:
   head_bits: int = 8
 
   def __post_init__(self):
+    for key in ("top_ks", "depths"):
+      values = getattr(self, key)
+      if not values or min(values) < 1:
+        raise EagleJaxError(f"tune.{key} needs at least one value, each >= 1; got {list(values)}")
     if self.head_bits not in (0, 8):
       raise EagleJaxError(f"tune.head_bits must be 0 (float32) or 8; got {self.head_bits}")
 
@@ -248,6 +252,35 @@ def build_task(cfg: TrainConfig, lm, train_shards, token_counts=None):
                    step_decay=e.step_decay, feature_noise=e.feature_noise, d2t=d2t)
 
 
+def check_same_run(cfg: TrainConfig, run_dir: str) -> None:
+  """Refuses a run folder whose saved config would train different weights than ``cfg``."""
+  saved = os.path.join(run_dir, "config.yaml")
+  if not os.path.isfile(saved):
+    return
+  before = read_yaml(saved)  # compare what decides the trained weights, as plain data
+  same = lambda d: ({k: d.get(k) for k in ("drafter", "model", "data", "features", "optim",
+                                           {"eagle1": "eagle", "eagle3": "eagle"}.get(
+                                               cfg.drafter, cfg.drafter.replace("-", "_")))},
+                    {k: d.get("loop", {}).get(k) for k in ("seed", "batch_rows", "epochs")})
+  if same(before) != same(to_dict(cfg)):
+    raise EagleJaxError(f"{run_dir}: holds a run with a different config ({saved}); "
+                        "pick another name= or delete the folder")
+
+
+def run_finished(cfg: TrainConfig) -> bool:
+  """Whether the run ``cfg`` names has exported its drafter and, if its config tunes one, the
+  budget too (a run killed while tuning is not finished); a changed config is an error."""
+  from eagle_jax.exported import read_meta
+
+  run_dir = os.path.join(cfg.runs_dir, cfg.name)
+  check_same_run(cfg, run_dir)
+  final = os.path.join(run_dir, "final")
+  if not os.path.isfile(os.path.join(final, "drafter.json")):
+    return False
+  tuned = cfg.tune.enabled and cfg.drafter in ("eagle1", "eagle3", "medusa")
+  return not tuned or "budget" in read_meta(final)
+
+
 def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   from eagle_jax.features import FeatureShards
   from eagle_jax.registry import load_model
@@ -256,17 +289,8 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   cfg = load_config(TrainConfig, config_path, overrides)
   run_dir = os.path.join(cfg.runs_dir, cfg.name)
   os.makedirs(run_dir, exist_ok=True)
-  saved = os.path.join(run_dir, "config.yaml")
-  if os.path.isfile(saved):  # compare what decides the trained weights, as plain data
-    before = read_yaml(saved)
-    same = lambda d: ({k: d.get(k) for k in ("drafter", "model", "data", "features", "optim",
-                                             {"eagle1": "eagle", "eagle3": "eagle"}.get(
-                                                 cfg.drafter, cfg.drafter.replace("-", "_")))},
-                      {k: d.get("loop", {}).get(k) for k in ("seed", "batch_rows", "epochs")})
-    if same(before) != same(to_dict(cfg)):
-      raise EagleJaxError(f"{run_dir}: holds a run with a different config ({saved}); "
-                          "pick another name= or delete the folder")
-  dump_config(cfg, saved)
+  check_same_run(cfg, run_dir)
+  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
   lm = load_model(cfg.model)
   t0 = time.perf_counter()
   dirs = feature_caches(cfg, lm, progress=progress)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from eagle_jax.checkpoints import load_hf_folder
 from eagle_jax.config import ModelConfig
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.gguf_convert import FORMAT, convert_gguf
+from eagle_jax.gguf_convert import convert_gguf, source_marker
 from eagle_jax.model import Transformer
 from eagle_jax.tokenizer import Tokenizer
 
@@ -90,12 +90,13 @@ def _converted_folder(gguf_path: str, name: str) -> str:
   # processes started together (two test workers, two shells) convert once: the others wait
   with open(out + ".lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    if os.path.isfile(marker):
+    try:
       with open(marker) as f:
         src = json.load(f)
-      if (src.get("converted_from") == os.path.abspath(gguf_path) and src.get("format") == FORMAT
-          and src.get("size") == os.path.getsize(gguf_path)):
-        return out
+    except (OSError, ValueError):  # no conversion yet, or a torn / hand-edited marker
+      src = {}
+    if src == source_marker(gguf_path):
+      return out
     print(f"[eagle_jax] converting {gguf_path} -> {out} (first use only)", flush=True)
     return convert_gguf(gguf_path, out)
 
@@ -122,4 +123,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, param_dtype=jnp.float32) -> Lo
   folder = resolve(name_or_path)
   config, model = load_hf_folder(folder, param_dtype)
   tokenizer = Tokenizer.from_folder(folder, config.eos_token_ids)
+  if set(tokenizer.eos_token_ids) != set(config.eos_token_ids):  # stop at the tokenizer's EOS too
+    config = dataclasses.replace(config, eos_token_ids=tokenizer.eos_token_ids)
+    model.config = config
   return LoadedModel(config=config, model=model, tokenizer=tokenizer, folder=folder)

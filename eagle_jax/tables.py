@@ -35,13 +35,19 @@ def _cell(records, vanilla):
           "speedup": round(tokens_per_s(records) / tokens_per_s(vanilla), 3)}
 
 
-def _predicted(tau, costs, name):
+def _predicted(records, costs, name):
+  """Speedup predicted from measured acceptance and costs: tokens per step over the cost of each
+  step (a step that drafted nothing is a plain decode step, c(1); one that drafted pays the
+  draft and verifies the drafter's full node budget, c(nodes + 1)) against c(1) per token."""
   curve = {int(k): v for k, v in costs.get("verify_cost_ms", {}).items()}
-  if tau is None or name not in costs.get("draft_ms", {}) or 1 not in curve:
+  steps = [(a, d) for r in records for a, d in zip(r["accepted"], r["drafted_depth"])]
+  if not steps or name not in costs.get("draft_ms", {}) or 1 not in curve:
     return None
   xs = sorted(curve)
   verify = float(np.interp(costs["num_nodes"][name] + 1, xs, [curve[x] for x in xs]))
-  return round(tau * curve[1] / (verify + costs["draft_ms"][name]), 3)
+  tokens = sum(a + 1 for a, _ in steps)
+  ms = sum(verify + costs["draft_ms"][name] if d > 0 else curve[1] for _, d in steps)
+  return round(tokens * curve[1] / ms, 3)
 
 
 def summarize(cfg, units: dict, checkpoints: dict, costs: dict) -> dict:
@@ -64,7 +70,7 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict) -> dict:
           "seconds": round(sum(r["seconds"] for r in recs), 3),
           "new_tokens": sum(r["new_tokens"] for r in recs),
           "greedy_mismatches": mismatches if temp == 0 and m.name != van else None,
-          "predicted_speedup": _predicted(entry["tau"], costs, m.name),
+          "predicted_speedup": _predicted(recs, costs, m.name),
           "num_nodes": costs.get("num_nodes", {}).get(m.name),
           "per_category": {c: _cell([r for r in recs if r["category"] == c],
                                     [r for r in vrecs if r["category"] == c]) for c in cats}})

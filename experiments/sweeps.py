@@ -356,6 +356,9 @@ def run_sweep(kind: str, cfg: ExperimentConfig, methods=None, values=None, progr
     values = tuple(cast(v) for v in values or ())
   except ValueError:
     raise EagleJaxError(f"{kind} sweep: --values must be {cast.__name__}s, got {values}") from None
+  if any(v < 0 or (v == 0 and kind != "temperature") for v in values):
+    raise EagleJaxError(f"{kind} sweep: --values must be positive"
+                        f"{' (temperatures >= 0)' if kind == 'temperature' else ''}, got {list(values)}")
   if kind == "budget":
     return sweep_budget(cfg, methods, values or GAMMAS, values or TREE_SIZES, progress)
   sweep, default = {"temperature": (sweep_temperature, TEMPERATURES),

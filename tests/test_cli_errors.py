@@ -1,6 +1,7 @@
 """User errors: one line on stderr naming the problem, exit code 2, no traceback."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -160,3 +161,116 @@ def test_list_arguments_are_parsed_by_argparse(capsys, argv, expected):
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
   assert e.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_converted_gguf_is_redone_when_the_file_changes(tmp_path, monkeypatch):
+  import os
+
+  from eagle_jax import registry
+  from eagle_jax.gguf_convert import source_marker
+
+  monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
+  gguf_file = tmp_path / "m.gguf"
+  gguf_file.write_bytes(b"x" * 64)
+  calls = []
+
+  def fake_convert(path, out):
+    calls.append(path)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "source.json"), "w") as f:
+      json.dump(source_marker(path), f)
+    return out
+
+  monkeypatch.setattr(registry, "convert_gguf", fake_convert)
+  out = registry._converted_folder(str(gguf_file), "m")
+  assert registry._converted_folder(str(gguf_file), "m") == out and len(calls) == 1  # reused
+  gguf_file.write_bytes(b"y" * 64)  # replaced by a file of the same size
+  os.utime(gguf_file, ns=(1, 1))
+  registry._converted_folder(str(gguf_file), "m")
+  assert len(calls) == 2
+  with open(os.path.join(out, "source.json"), "w") as f:
+    f.write("{torn")
+  registry._converted_folder(str(gguf_file), "m")  # an unreadable marker: converted again
+  assert len(calls) == 3
+
+
+def _tiny_llama_folder(tmp_path, extra_tensors=(), **config):
+  from flax import nnx
+
+  from eagle_jax.checkpoints import save_hf_folder
+  from eagle_jax.config import tiny_config
+  from eagle_jax.model import Transformer
+
+  folder = str(tmp_path / "tiny")
+  save_hf_folder(Transformer(tiny_config(**config), rngs=nnx.Rngs(0)), folder)
+  if extra_tensors:
+    from safetensors.numpy import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({n: np.zeros(4, np.float32) for n in extra_tensors})
+    save_file(tensors, path)
+  return folder
+
+
+def test_checkpoint_tensors_without_a_place_are_refused(tmp_path):
+  from eagle_jax.checkpoints import load_hf_folder
+  from eagle_jax.errors import EagleJaxError
+
+  load_hf_folder(_tiny_llama_folder(tmp_path))  # every tensor used
+  folder = _tiny_llama_folder(tmp_path / "b", ["model.layers.0.self_attn.o_proj.bias"])
+  with pytest.raises(EagleJaxError, match="1 checkpoint tensor.*'model.layers.0.self_attn.o_proj.bias'"):
+    load_hf_folder(folder)
+  ok = _tiny_llama_folder(tmp_path / "c", ["model.layers.0.self_attn.rotary_emb.inv_freq"])
+  load_hf_folder(ok)  # a RoPE buffer some checkpoints carry is not a weight
+
+
+def test_generation_config_eos_ids_stop_generation_too(tmp_path):
+  from eagle_jax.checkpoints import read_config
+
+  folder = _tiny_llama_folder(tmp_path)
+  (tmp_path / "tiny" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 9]}))
+  assert set(read_config(folder).eos_token_ids) == {1, 9}
+
+
+@pytest.mark.parametrize("model_type, extra, expected", [
+    ("mistral", dict(sliding_window=64), 64),
+    ("mistral", dict(sliding_window=None), 512),
+    ("qwen2", dict(sliding_window=64, use_sliding_window=False), 512),
+    ("qwen2", dict(sliding_window=64, use_sliding_window=True), 64),
+])
+def test_sliding_window_caps_the_cache(model_type, extra, expected):
+  from eagle_jax.config import ModelConfig
+
+  base = dict(model_type=model_type, vocab_size=32, hidden_size=16, intermediate_size=32,
+              num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=512)
+  assert ModelConfig.from_hf_dict({**base, **extra}).max_position_embeddings == expected
+
+
+def test_gguf_rope_scaling_metadata(tmp_path):
+  import gguf
+
+  from eagle_jax.errors import EagleJaxError
+  from eagle_jax.gguf_convert import _config_from_gguf
+
+  def config_of(scaling, factor=4.0):
+    path = str(tmp_path / f"{scaling}.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(16)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_string("llama.rope.scaling.type", scaling)
+    w.add_float32("llama.rope.scaling.factor", factor)
+    w.add_tensor("token_embd.weight", np.zeros((8, 16), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return _config_from_gguf(gguf.GGUFReader(path), path)
+
+  rope = config_of("linear").rope_scaling
+  assert (rope.rope_type, rope.factor) == ("linear", 4.0)
+  assert config_of("none").rope_scaling.rope_type == "default"
+  with pytest.raises(EagleJaxError, match="unsupported GGUF rope scaling 'yarn'"):
+    config_of("yarn")

@@ -149,3 +149,61 @@ def test_jsonl_prompts(tmp_path):
   assert set(summary["methods"]["pld"]["T0.0"]["per_category"]) == {"greet", "count"}
   records = (tmp_path / "r" / "tiny" / "records" / "pld-T0.0.jsonl").read_text().splitlines()
   assert len(records) == 3  # two first turns and one second turn
+
+
+def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
+  from eagle_jax.data import Question
+
+  final = tmp_path / "final"
+  final.mkdir()
+  (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 4}))
+  before = experiment._checkpoint_key(str(final))
+  (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 4, "budget": {"top_k": 4}}))
+  assert experiment._checkpoint_key(str(final)) != before  # re-tuned: its records are stale
+  a = experiment._prompts_key([Question("1", "c", ("Say hi.",))])
+  assert experiment._prompts_key([Question("1", "c", ("Say bye.",))]) != a  # same id, new text
+  assert experiment._prompts_key([Question("1", "c", ("Say hi.",))]) == a
+
+
+def test_a_run_killed_while_tuning_is_not_finished(tmp_path):
+  from eagle_jax.pipeline import TrainConfig, run_finished
+
+  cfg = TrainConfig(name="r", drafter="eagle1", runs_dir=str(tmp_path))
+  final = tmp_path / "r" / "final"
+  assert not run_finished(cfg)
+  final.mkdir(parents=True)
+  (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1"}))
+  assert not run_finished(cfg)  # exported, not tuned yet
+  (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "budget": {"top_k": 4}}))
+  assert run_finished(cfg)
+  import dataclasses
+
+  assert run_finished(dataclasses.replace(cfg, tune=dataclasses.replace(cfg.tune, enabled=False)))
+  from eagle_jax.configs import dump_config
+
+  dump_config(cfg, str(tmp_path / "r" / "config.yaml"))
+  changed = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1.0))
+  with pytest.raises(EagleJaxError, match="different config"):
+    run_finished(changed)
+
+
+def test_no_prompt_with_the_asked_turns_is_a_one_line_error(tmp_path, capsys):
+  prompts = tmp_path / "one-turn.jsonl"
+  prompts.write_text('{"prompt": "Say hi."}\n')
+  path = tmp_path / "exp.yaml"
+  path.write_text(CONFIG.format(results=tmp_path / "r", runs=tmp_path / "runs", prompts=prompts)
+                  .replace("turns: [1, 2]", "turns: [2]"))
+  assert main(["run", str(path)]) == 2
+  assert "no prompts to evaluate" in capsys.readouterr().err
+
+
+def test_predicted_speedup_charges_undrafted_steps_as_plain_decode_steps():
+  from eagle_jax.tables import _predicted
+
+  costs = {"verify_cost_ms": {"1": 10.0, "2": 12.0, "4": 16.0, "8": 24.0}, "draft_ms": {"pld": 0.0},
+           "num_nodes": {"pld": 7}}
+  # two steps drafted 7 tokens and accepted 3 and 0; two steps drafted nothing
+  recs = [{"accepted": [3, 0, 0, 0], "drafted_depth": [7, 7, 0, 0]}]
+  assert _predicted(recs, costs, "pld") == round((4 + 1 + 1 + 1) * 10.0 / (24 + 24 + 10 + 10), 3)
+  assert _predicted([{"accepted": [], "drafted_depth": []}], costs, "pld") is None
+  assert _predicted(recs, costs, "vanilla") is None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from eagle_jax.drafters.draft_model import DraftModelDrafter, self_draft_model
@@ -110,6 +109,8 @@ def prompt_lookup(target: Transformer, options: DrafterOptions,
 
 def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
   """The trained run in ``runs_dir`` for drafter ``name`` with the most training tokens."""
+  from eagle_jax.exported import read_meta
+
   want = {"eagle2": "eagle1"}.get(name, name)
   best = None
   if os.path.isdir(runs_dir):
@@ -117,8 +118,7 @@ def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
       meta_path = os.path.join(runs_dir, run, "final", "drafter.json")
       if not os.path.isfile(meta_path):
         continue
-      with open(meta_path) as f:
-        meta = json.load(f)
+      meta = read_meta(os.path.dirname(meta_path))
       if meta.get("drafter") != want or (model and meta.get("model") != model):
         continue
       key = (meta.get("train_tokens", 0), os.path.getmtime(meta_path))
