@@ -11,6 +11,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +25,24 @@ from eagle_jax.generate import generate
 from eagle_jax.registry import load_model
 
 
-def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 20) -> dict[str, float]:
-  """Peak read bandwidth (GB/s) of an fp32 matrix-vector product far larger than the caches,
-  in numpy (BLAS) and in jitted JAX: its bytes over the fastest of ``repeats`` calls (the
-  floor is a lower bound, so it takes the best the machine showed, not a typical call)."""
+def read_bandwidth_probe(nbytes: int = 256 * 2**20, repeats: int = 20) -> Callable[[], dict[str, float]]:
+  """A function measuring the peak read bandwidth (GB/s) of an fp32 matrix-vector product far
+  larger than the caches, in numpy (BLAS) and in jitted JAX: its bytes over the fastest of
+  ``repeats`` calls (the floor is a lower bound, so it takes the best the machine showed, not a
+  typical call). The matrix is built once, however often the probe is called."""
   cols = 1024
   mat = np.random.default_rng(0).standard_normal((nbytes // 4 // cols, cols), dtype=np.float32)
   vec = np.ones(cols, np.float32)
-  gbs = lambda ms: mat.nbytes / (ms / 1000) / 1e9
-  np_gbs = gbs(fastest_ms(lambda: mat @ vec, repeats=repeats, warmup=1))
   jmat, jvec = jnp.asarray(mat), jnp.asarray(vec)
   matvec = jax.jit(lambda m, v: m @ v)
-  jax_gbs = gbs(fastest_ms(matvec, jmat, jvec, repeats=repeats))
-  return {"numpy_matvec_gbs": round(np_gbs, 2), "jax_matvec_gbs": round(jax_gbs, 2),
-          "bandwidth_gbs": round(max(np_gbs, jax_gbs), 2)}
+  gbs = lambda ms: mat.nbytes / (ms / 1000) / 1e9
+
+  def measure() -> dict[str, float]:
+    np_gbs = gbs(fastest_ms(lambda: mat @ vec, repeats=repeats, warmup=1))
+    jax_gbs = gbs(fastest_ms(matvec, jmat, jvec, repeats=repeats))
+    return {"numpy_matvec_gbs": round(np_gbs, 2), "jax_matvec_gbs": round(jax_gbs, 2),
+            "bandwidth_gbs": round(max(np_gbs, jax_gbs), 2)}
+  return measure
 
 
 def _peak(readings: list[dict[str, float]]) -> dict[str, float]:
@@ -97,6 +102,7 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
   questions = load_mtbench()[:num_prompts]
   prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
   ours, step_ms, tokens, readings = [], [], [], []
+  measure_read_bandwidth = read_bandwidth_probe()
   for p in prompts:
     generate(lm.model, [p], max_new_tokens=max_new_tokens, stop_ids=())  # compile + warm
     generate(lm.model, [p], max_new_tokens=1, stop_ids=())

@@ -101,19 +101,17 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
   for name in methods:
     kind, opts = specs[name]
     drafter, dparams = drafters[name] = make_drafter(kind, target, opts, model)
+    if drafter is None:
+      runs[name] = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
+    else:
+      runs[name] = lambda p, n, d=drafter, dp=dparams: speculative_generate(
+          target, d, dp, [p], max_new_tokens=n, params=params, stop_ids=())
   # the printed grid, extended past the largest tree here (n nodes + the root) so that its cost
   # is interpolated, never clamped to the grid's end
   largest = max((d.num_nodes for d, _ in drafters.values() if d is not None), default=0)
   sizes = {1, 2, 4, 8, 16, 26, 32, 64}
   sizes |= {max(sizes_up_to(largest))} if largest + 1 > max(sizes) else set()
   curve = verify_cost_curve(target, sizes=tuple(sorted(sizes)))
-  for name in methods:
-    drafter, dparams = drafters[name]
-    if drafter is None:
-      runs[name] = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
-    else:
-      runs[name] = lambda p, n, d=drafter, dp=dparams: speculative_generate(
-          target, d, dp, [p], max_new_tokens=n, params=params, stop_ids=())
   timed = _timed_runs(runs, prompts, max_new_tokens, repeats)
   results, vanilla_tokens = {}, None
   for name in sorted(methods, key=lambda n: specs[n][0] != "vanilla"):  # speedups need vanilla first
