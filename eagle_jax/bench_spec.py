@@ -3,7 +3,8 @@
 Reports per method tokens/s, speedup over our vanilla decode, tau (tokens per target pass,
 bonus included), n-alpha, per-category figures, whether greedy outputs equal vanilla's, the
 measured verify-cost curve (ms per target pass for 1..64 tree nodes) and the speedup predicted
-from measured acceptance and cost with the i.i.d. formula E = (1 - a^(g+1)) / (1 - a).
+from measured acceptance and cost (:func:`eagle_jax.costs.predict_speedup`: for chains the
+i.i.d. formula E = (1 - a^(g+1)) / (1 - a) at the measured a; for trees the measured tau).
 """
 
 from __future__ import annotations
@@ -14,36 +15,16 @@ import time
 import jax
 import numpy as np
 
-from eagle_jax.costs import sizes_up_to, verify_cost_curve
+from eagle_jax.budget import draft_cost_ms
+from eagle_jax.costs import predict_speedup, sizes_up_to, verify_cost_curve
 from eagle_jax.data import load_mtbench, pick_questions
 from eagle_jax.drafters.factory import (EAGLE_VERSION, DrafterOptions, find_checkpoint, make_drafter,
                                         method_spec)
 from eagle_jax.generate import generate
 from eagle_jax.registry import load_model
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import acceptance_rates, loop_widths, speculative_generate, verify_widths
-
-
-def _interp(curve: dict[int, float], n: float) -> float:
-  xs = sorted(curve)
-  return float(np.interp(n, xs, [curve[x] for x in xs]))
-
-
-def _predicted_speedup(accepted, drafted, gamma, curve, draft_ms):
-  """Speedup predicted by the i.i.d. acceptance formula from measured acceptance and costs."""
-  acc = np.array([a for row in accepted for a in row])
-  dep = np.array([d for row in drafted for d in row])
-  has = dep > 0
-  if not has.any():
-    return 1.0, 0.0
-  tried = np.minimum(acc[has] + 1, dep[has]).sum()
-  alpha = float(acc[has].sum() / tried)
-  g = float(np.mean(dep[has]))
-  expected = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1
-  frac = float(has.mean())
-  tokens = frac * expected + (1 - frac)
-  cost = frac * (_interp(curve, g + 1) + draft_ms) + (1 - frac) * curve[1]
-  return tokens * curve[1] / cost, alpha
+from eagle_jax.speculative import (acceptance_rates, is_chain, loop_widths, speculative_generate,
+                                   verify_widths)
 
 
 def _hf_prompt_lookup(folder, prompts, max_new_tokens):
@@ -133,14 +114,10 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
       accepted = [g.accepted[0] for g in gens]
       drafted = [g.drafted_depth[0] for g in gens]
       gamma = drafter.max_depth
-      predicted, alpha = _predicted_speedup(accepted, drafted, gamma, curve, 0.0)
-      draft_ms = 0.0
-      if not kind.startswith("pld"):  # measured draft cost, measured tau, verify cost of the tree
-        from eagle_jax.budget import draft_cost_ms
-
-        draft_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
-        tau = float(np.mean([a for r in accepted for a in r]) + 1)
-        predicted = tau * curve[1] / (_interp(curve, drafter.num_nodes + 1) + draft_ms)
+      draft_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
+      predicted, alpha = predict_speedup(
+          [a for r in accepted for a in r], [d for r in drafted for d in r], curve,
+          widths=verify_widths(drafter), draft_ms=draft_ms, chain=is_chain(drafter))
       if kind in EAGLE_VERSION or kind in ("medusa", "draft-model"):
         row["checkpoint"] = opts.draft_model or find_checkpoint(kind, opts.runs_dir, model)
       tree = getattr(drafter, "tree", "chain")
@@ -162,7 +139,8 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
           "speedup": round(vanilla_total / secs, 3) if vanilla_tokens else None,
           "tau": round(float(np.mean([a for r in accepted for a in r]) + 1), 3),
           "n_alpha": [None if a != a else round(a, 3) for a in acceptance_rates(accepted, drafted, gamma)],
-          "alpha_iid": round(alpha, 3), "predicted_speedup": round(predicted, 3),
+          "alpha_iid": None if alpha is None else round(alpha, 3),
+          "predicted_speedup": None if predicted is None else round(predicted, 3),
           "draft_ms": round(draft_ms, 2),
           "greedy_matches_vanilla": None if vanilla_tokens is None or temperature > 0 else sum(
               a == b for a, b in zip(tokens, vanilla_tokens)),
@@ -184,7 +162,8 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
       "options": {k: v for k, v in vars(options).items()},
       "tau": "tokens per target verify pass, bonus token included, prefill excluded",
       "speedup": "our vanilla seconds / method seconds, same prompts, same run",
-      "predicted_speedup": "measured tau x c(1) / (c(nodes + 1) + timed draft update + propose); "
-      "pld: i.i.d. formula with the measured per-position acceptance and a free draft",
+      "predicted_speedup": "eagle_jax.costs.predict_speedup: tokens per step (chains: the i.i.d. "
+      "formula at the measured alpha; trees: measured) over c(verified width + 1) + timed draft "
+      "update + propose, a step that drafted nothing costing c(1) + the draft, against c(1) per token",
       "jax_version": jax.__version__, "backend": jax.default_backend()}
   return out

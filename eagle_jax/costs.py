@@ -10,6 +10,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from eagle_jax.model import KVCache
@@ -89,3 +90,49 @@ def sizes_up_to(max_nodes: int) -> tuple[int, ...]:
 def verify_cost_up_to(model, max_nodes: int) -> dict[int, float]:
   """The verify-cost curve at :func:`sizes_up_to` ``(max_nodes)``."""
   return verify_cost_curve(model, sizes=sizes_up_to(max_nodes))
+
+
+def interp_ms(curve: dict[int, float], n: float) -> float:
+  """The verify-cost curve (ms by number of tokens in the pass) interpolated at ``n`` tokens."""
+  xs = sorted(curve)
+  return float(np.interp(n, xs, [curve[x] for x in xs]))
+
+
+def chain_tokens(alpha: float, gamma: float) -> float:
+  """Expected tokens per verify pass of a ``gamma``-token chain with i.i.d. per-token acceptance
+  ``alpha``, bonus token included: ``(1 - alpha^(gamma+1)) / (1 - alpha)`` (REFERENCE.md;
+  Leviathan et al. 2211.17192, Chen et al. 2302.01318)."""
+  return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predict_speedup(accepted, drafted, curve: dict[int, float], *, widths, draft_ms: float,
+                    chain: bool) -> tuple[float | None, float | None]:
+  """Speedup over vanilla decoding predicted from measured acceptance and measured costs: the one
+  definition behind ``bench spec``, the experiment tables and the sweeps.
+
+  ``accepted`` and ``drafted`` hold, per step (over every row and prompt), the accepted draft
+  tokens and the drafted depth; ``curve`` is the verify-cost curve (ms by tokens in the pass,
+  with 1 = a vanilla step); ``widths`` the drafter's verify-width ladder; ``draft_ms`` its timed
+  draft step (update + propose), paid by every step since the drafter runs every step. A step
+  that drafted nothing is a plain decode step: 1 token for c(1). One that drafted verifies the
+  smallest width of the ladder holding its ``d`` nodes, c(w + 1), and yields
+  - for chains, the i.i.d. expectation :func:`chain_tokens` ``(alpha, d)``, with alpha =
+    accepted / tried over the drafted steps (a step tries its accepted tokens plus the first
+    rejected one, capped at its depth);
+  - for trees (no closed form), its measured accepted + 1.
+  Vanilla yields one token per c(1). Returns ``(speedup, alpha)``; ``(None, None)`` without steps.
+  """
+  acc = np.asarray(list(accepted), np.int64)
+  dep = np.asarray(list(drafted), np.int64)
+  if not acc.size or 1 not in curve:
+    return None, None
+  has = dep > 0
+  tried = int(np.minimum(acc[has] + 1, dep[has]).sum())
+  alpha = float(acc[has].sum() / tried) if tried else 0.0
+  ladder = sorted(widths)
+  width = lambda d: next((w for w in ladder if w >= d), ladder[-1])
+  tokens = ms = 0.0
+  for a, d in zip(acc, dep):
+    ms += draft_ms + (interp_ms(curve, width(d) + 1) if d > 0 else curve[1])
+    tokens += (chain_tokens(alpha, d) if chain else a + 1) if d > 0 else 1
+  return tokens * curve[1] / ms, alpha

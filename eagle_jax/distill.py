@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
-from eagle_jax.costs import fastest_ms
+from eagle_jax.costs import chain_tokens, fastest_ms
 from eagle_jax.eagle_head import Frozen
 from eagle_jax.eagle_train import _shift
 from eagle_jax.errors import EagleJaxError
@@ -196,8 +196,7 @@ def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
   per-token acceptance ``a``, ``g`` drafts per step, draft/target step cost ratio ``c``."""
   if not 0.0 <= alpha <= 1.0 or gamma < 1 or c < 0:
     raise EagleJaxError(f"need 0 <= alpha <= 1, gamma >= 1, c >= 0 (got {alpha}, {gamma}, {c})")
-  tokens = gamma + 1.0 if alpha == 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-  return tokens / (gamma * c + 1.0)
+  return chain_tokens(alpha, gamma) / (gamma * c + 1.0)
 
 
 def _decode_step_ms(model: Transformer, steps: int, context: int, repeats: int) -> float:

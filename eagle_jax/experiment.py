@@ -338,6 +338,7 @@ def _measure_costs(costs, name, target, drafter, dparams, prompt) -> None:
   """Verify-cost curve (once) and the method's timed draft step, for predicted speedups."""
   from eagle_jax.costs import sizes_up_to, verify_cost_curve
   from eagle_jax.budget import draft_cost_ms
+  from eagle_jax.speculative import is_chain, verify_widths
 
   # the curve (also from costs.json of an interrupted run) covers the largest tree so far;
   # a larger one times only the sizes it adds
@@ -349,3 +350,5 @@ def _measure_costs(costs, name, target, drafter, dparams, prompt) -> None:
   if drafter is not None:
     costs["draft_ms"][name] = round(draft_cost_ms(drafter, dparams, target, prompt), 3)
     costs["num_nodes"][name] = drafter.num_nodes
+    costs.setdefault("widths", {})[name] = list(verify_widths(drafter))
+    costs.setdefault("chain", {})[name] = is_chain(drafter)

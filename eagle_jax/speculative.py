@@ -19,7 +19,11 @@ Counting convention: **tau** = tokens emitted per target verify pass, *including
 bonus token (accepted drafts + 1), averaged over verify passes; the prefill pass that emits
 the first token is not counted. **n-alpha** = P(draft token at depth n accepted | depths
 1..n-1 accepted and a depth-n token was drafted under the accepted depth-(n-1) node; in a
-tree, a depth-n node on a rejected branch is no attempt at depth n).
+tree, a depth-n node on a rejected branch is no attempt at depth n). A step cut short by
+``max_new_tokens`` or a stop token counts only what it emitted: its accepted drafts are those
+emitted, and its drafted depth is capped there, so an accepted draft past the cut is neither
+counted in tau nor taken as a rejection in n-alpha (the steps' tokens add up to the new tokens
+after the first).
 """
 
 from __future__ import annotations
@@ -112,6 +116,13 @@ def verify_widths(drafter) -> tuple[int, ...]:
   if not is_width_ladder(widths, drafter.num_nodes):
     raise ValueError(f"drafter widths {widths} must ascend from >= 1 to num_nodes={drafter.num_nodes}")
   return widths
+
+
+def is_chain(drafter) -> bool:
+  """Whether every draft of ``drafter`` is a chain (one node per depth): chain drafters, and
+  static trees as deep as they have nodes; dynamic trees (``tree=None``) are not."""
+  tree = getattr(drafter, "tree", "chain")
+  return isinstance(tree, str) or (tree is not None and drafter.num_nodes == drafter.max_depth)
 
 
 def loop_widths(drafter) -> tuple[int, ...]:
@@ -235,14 +246,18 @@ def _spec_jit(state, dparams, tokens_BxP, lengths_B, cache, feats_BxPxF, logits_
     dstate = drafter.update(dparams, s.dstate, accepted)
     next_draft, dstate = drafter.propose(dparams, dstate, verdict.bonus_B, k_draft, params)
     step_col = jnp.minimum(s.step, max_new_tokens - 1)
+    # statistics of what was emitted: a step cut by max_new_tokens or a stop token emitted only
+    # keep_B - 1 accepted drafts (and no bonus); its depths past the cut were not tried
+    cut_B = keep_B < count_B
+    counted_B = jnp.where(cut_B, keep_B - 1, verdict.num_accepted_B)
+    depth_B = jnp.where(cut_B, jnp.minimum(depth_B, keep_B - 1), depth_B)
     return s.replace(
         root_B=verdict.bonus_B, out_BxN=out_BxN, num_new_B=num_new_B, done_B=done_B,
         step=s.step + 1, dstate=dstate, draft=next_draft,
-        accepted_BxS=s.accepted_BxS.at[:, step_col].set(
-            jnp.where(active_B, verdict.num_accepted_B, -1)),
+        accepted_BxS=s.accepted_BxS.at[:, step_col].set(jnp.where(active_B, counted_B, -1)),
         depth_BxS=s.depth_BxS.at[:, step_col].set(jnp.where(active_B, depth_B, 0)),
         path_BxSxD=s.path_BxSxD.at[:, step_col].set(jnp.where(
-            jnp.arange(d)[None] < verdict.num_accepted_B[:, None], verdict.path_BxD, 0)))
+            jnp.arange(d)[None] < counted_B[:, None], verdict.path_BxD, 0)))
 
   rungs = loop_widths(drafter)
   rungs_R = jnp.asarray(rungs, jnp.int32)

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from eagle_jax.costs import predict_speedup
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.speculative import acceptance_rates
 
@@ -36,18 +37,17 @@ def _cell(records, vanilla):
 
 
 def _predicted(records, costs, name):
-  """Speedup predicted from measured acceptance and costs: tokens per step over the cost of each
-  step (a step that drafted nothing is a plain decode step, c(1); one that drafted pays the
-  draft and verifies the drafter's full node budget, c(nodes + 1)) against c(1) per token."""
+  """Speedup predicted from the records' measured acceptance and the run's measured costs
+  (:func:`eagle_jax.costs.predict_speedup`); None for vanilla or without costs."""
   curve = {int(k): v for k, v in costs.get("verify_cost_ms", {}).items()}
-  steps = [(a, d) for r in records for a, d in zip(r["accepted"], r["drafted_depth"])]
-  if not steps or name not in costs.get("draft_ms", {}) or 1 not in curve:
+  if name not in costs.get("draft_ms", {}):
     return None
-  xs = sorted(curve)
-  verify = float(np.interp(costs["num_nodes"][name] + 1, xs, [curve[x] for x in xs]))
-  tokens = sum(a + 1 for a, _ in steps)
-  ms = sum(verify + costs["draft_ms"][name] if d > 0 else curve[1] for _, d in steps)
-  return round(tokens * curve[1] / ms, 3)
+  nodes = costs["num_nodes"][name]
+  speedup, _ = predict_speedup(
+      [a for r in records for a in r["accepted"]], [d for r in records for d in r["drafted_depth"]],
+      curve, widths=costs.get("widths", {}).get(name, [nodes]), draft_ms=costs["draft_ms"][name],
+      chain=costs.get("chain", {}).get(name, False))
+  return None if speedup is None else round(speedup, 3)
 
 
 def summarize(cfg, units: dict, checkpoints: dict, costs: dict) -> dict:

@@ -31,8 +31,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.budget import draft_cost_ms
-from eagle_jax.costs import verify_cost_curve
-from eagle_jax.distill import predicted_speedup
+from eagle_jax.costs import predict_speedup, verify_cost_curve
 from eagle_jax.drafters.eagle import EagleDrafter
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
 from eagle_jax.errors import EagleJaxError
@@ -40,6 +39,7 @@ from eagle_jax.experiment import (TRAINED, EvalConfig, ExperimentConfig, MethodC
                                   build_prompts, drafter_for, ensure_checkpoint, questions_for,
                                   run_unit)
 from eagle_jax.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
+from eagle_jax.speculative import is_chain, verify_widths
 from eagle_jax.tables import TAU, tau_of, tokens_per_s
 
 CHAIN = ("pld", "pld-static", "eagle1", "self-draft", "draft-model")  # budget = gamma, the chain length
@@ -94,16 +94,17 @@ class Bench:
     vanilla = self._vanilla[(temperature, batch_size)]
     return (vanilla if built[0] is None else decode(label, built)), vanilla
 
-  def costs(self, built, label: str) -> tuple[float, float, float]:
-    """``(draft ms, c(1), c(n + 1))`` for the ``n``-node drafter ``built``: the median ms of one
-    draft step (update with a full accepted path + propose) and of one target forward over
-    1 and n + 1 tokens after a 192-token cache (each size measured once per sweep)."""
-    sizes = (1, built[0].num_nodes + 1)
+  def costs(self, built, label: str) -> tuple[float, dict[int, float]]:
+    """``(draft ms, verify-cost curve)`` for the drafter ``built``: the fastest ms of one draft
+    step (update with a full accepted path + propose) and of one target forward over 1 and
+    w + 1 tokens for each verify width w, after a 192-token cache (each size measured once per
+    sweep)."""
+    sizes = (1,) + tuple(w + 1 for w in verify_widths(built[0]))
     if missing := tuple(n for n in sizes if n not in self.verify_ms):
       self.verify_ms.update(verify_cost_curve(self.lm.model, sizes=missing, repeats=5))
     ms = draft_cost_ms(*built, self.lm.model, self.prompts[0]["tokens"], repeats=5)
     self.draft_ms[label] = round(ms, 3)
-    return ms, self.verify_ms[sizes[0]], self.verify_ms[sizes[1]]
+    return ms, {n: self.verify_ms[n] for n in sizes}
 
 
 def tau_and_tps(records) -> tuple[float | None, float]:
@@ -126,30 +127,6 @@ def rows_of(method, x, records, vanilla, predicted=None, per_category=False) -> 
           for category, recs, vrecs in groups]
 
 
-def chain_predicted_speedup(records, gamma: int, c: float, v: float) -> float | None:
-  """Predicted speedup of a ``gamma``-token chain from measured acceptance and costs.
-
-  REFERENCE.md (Leviathan et al. 2211.17192; Chen et al. 2302.01318): with i.i.d. per-token
-  acceptance alpha a verify pass emits E = (1 - alpha^(gamma+1)) / (1 - alpha) tokens, and
-  drafting costs gamma * c target decode steps (c = draft step / target step), so speedup =
-  E / (gamma c + 1). The "+ 1" assumes verifying gamma + 1 tokens costs one decode step; on this
-  CPU it does not, so we use the measured v = c(gamma + 1) / c(1) instead (v = 1 recovers the
-  formula). alpha = accepted / tried over steps that drafted (a step tries its accepted tokens
-  plus the first rejected one, capped at the drafted depth). A fraction 1 - f of steps may draft
-  nothing (PLD without a match): plain decode steps, 1 token for cost 1 + gamma c (all draft).
-  """
-  acc = np.array([a for r in records for a in r["accepted"]], np.int64)
-  dep = np.array([d for r in records for d in r["drafted_depth"]], np.int64)
-  if not acc.size:
-    return None
-  has = dep > 0
-  f = float(has.mean())
-  tried = np.minimum(acc[has] + 1, dep[has]).sum()
-  alpha = float(acc[has].sum() / tried) if tried else 0.0
-  e = predicted_speedup(alpha, gamma, 0.0)  # c = 0: the expected tokens per pass, E
-  return (f * e + 1 - f) / (f * v + 1 - f + gamma * c)
-
-
 def sweep_budget(cfg, methods=DEFAULT_METHODS["budget"], gammas=GAMMAS, sizes=TREE_SIZES,
                  progress=False) -> dict:
   """Speedup and tau against the draft budget, greedy, batch 1.
@@ -160,8 +137,8 @@ def sweep_budget(cfg, methods=DEFAULT_METHODS["budget"], gammas=GAMMAS, sizes=TR
   drafted pool top_k + (depth - 1) top_k^2, the same for every size; medusa: the best static tree
   of that size for the checkpoint's held-out rank accuracies; a checkpoint without them keeps
   Medusa's default tree, and a size met twice is measured once).
-  predicted_speedup: chains :func:`chain_predicted_speedup` (c = draft ms / gamma / c(1));
-  trees measured tau x c(1) / (c(n + 1) + draft ms), as :mod:`eagle_jax.tables`.
+  predicted_speedup: :func:`eagle_jax.costs.predict_speedup` (chains: the i.i.d. formula at the
+  measured acceptance; trees: the measured tau), as :mod:`eagle_jax.tables` and ``bench spec``.
   """
   _check("budget sweep: unknown method(s)", methods, CHAIN + TREE)
   bench = Bench.open(cfg, methods, progress=progress)
@@ -181,10 +158,11 @@ def sweep_budget(cfg, methods=DEFAULT_METHODS["budget"], gammas=GAMMAS, sizes=TR
         continue
       seen.add(n)
       recs, vrecs = bench.measure(m, built)
-      draft_ms, c1, cv = bench.costs(built, f"{m}@{n}")
-      tau = tau_and_tps(recs)[0]
-      predicted = (chain_predicted_speedup(recs, n, draft_ms / n / c1, cv / c1) if m in CHAIN
-                   else tau and tau * c1 / (cv + draft_ms))
+      draft_ms, curve = bench.costs(built, f"{m}@{n}")
+      predicted = predict_speedup([a for r in recs for a in r["accepted"]],
+                                  [d for r in recs for d in r["drafted_depth"]], curve,
+                                  widths=verify_widths(built[0]), draft_ms=draft_ms,
+                                  chain=is_chain(built[0]))[0]
       rows += rows_of(m, n, recs, vrecs, predicted)
   return _sweep("budget", "draft_nodes", rows, bench)
 

@@ -197,13 +197,17 @@ def test_no_prompt_with_the_asked_turns_is_a_one_line_error(tmp_path, capsys):
   assert "no prompts to evaluate" in capsys.readouterr().err
 
 
-def test_predicted_speedup_charges_undrafted_steps_as_plain_decode_steps():
+def test_table_prediction_reads_the_runs_costs():
   from eagle_jax.tables import _predicted
 
-  costs = {"verify_cost_ms": {"1": 10.0, "2": 12.0, "4": 16.0, "8": 24.0}, "draft_ms": {"pld": 0.0},
-           "num_nodes": {"pld": 7}}
-  # two steps drafted 7 tokens and accepted 3 and 0; two steps drafted nothing
-  recs = [{"accepted": [3, 0, 0, 0], "drafted_depth": [7, 7, 0, 0]}]
-  assert _predicted(recs, costs, "pld") == round((4 + 1 + 1 + 1) * 10.0 / (24 + 24 + 10 + 10), 3)
+  costs = {"verify_cost_ms": {"1": 10.0, "2": 12.0, "4": 16.0, "8": 24.0}, "draft_ms": {"pld": 0.5},
+           "num_nodes": {"pld": 7}, "widths": {"pld": [3, 7]}, "chain": {"pld": False}}
+  # drafted 7 (verify width 7) accepting 3, drafted 2 (width 3) accepting 0, then two steps
+  # that drafted nothing (plain decode steps); every step pays the draft
+  recs = [{"accepted": [3, 0, 0, 0], "drafted_depth": [7, 2, 0, 0]}]
+  assert _predicted(recs, costs, "pld") == round((4 + 1 + 1 + 1) * 10.0 / (24 + 16 + 10 + 10 + 4 * 0.5), 3)
+  # costs.json written before widths and chain were recorded: the whole node budget, a tree
+  old = {k: v for k, v in costs.items() if k not in ("widths", "chain")}
+  assert _predicted(recs, old, "pld") == round(7 * 10.0 / (24 + 24 + 10 + 10 + 4 * 0.5), 3)
   assert _predicted([{"accepted": [], "drafted_depth": []}], costs, "pld") is None
   assert _predicted(recs, costs, "vanilla") is None

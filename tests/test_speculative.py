@@ -113,6 +113,23 @@ def test_target_drafting_for_itself_accepts_everything(tiny):
   assert gen.tokens == generate(target, PROMPTS, max_new_tokens=41, stop_ids=()).tokens
 
 
+def test_statistics_count_only_emitted_tokens(tiny):
+  """A step cut by max_new_tokens or a stop token counts what it emitted, in tau and n-alpha."""
+  target = tiny()
+  drafter, dparams = DraftModelDrafter.create(target, gamma=4)
+  # 1 + 7 x 5 + 3 tokens: the last step accepts all 4 drafts but emits 3 of them
+  gen = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=39, stop_ids=())
+  assert all(row[-1] == 2 and depths[-1] == 2 for row, depths in zip(gen.accepted, gen.drafted_depth))
+  assert gen.n_alpha() == [1.0] * 4  # the cut is no rejection
+  # a stop token in the middle of an accepted run: the steps add up to the emitted tokens
+  ref = generate(target, PROMPTS, max_new_tokens=39, stop_ids=()).tokens
+  stop = ref[0][12]
+  gen = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=39, stop_ids=(stop,))
+  for row, toks in zip(gen.accepted, gen.tokens):
+    assert sum(a + 1 for a in row) == len(toks) - 1
+  assert gen.tokens[0][-1] == stop and gen.n_alpha() == [1.0] * 4
+
+
 def test_acceptance_rates_counting():
   # steps: accepted 2 of depth 3, accepted 0 of depth 3, accepted 3 of 3, nothing drafted
   rates = acceptance_rates([[2, 0, 3, 0]], [[3, 3, 3, 0]])

@@ -93,18 +93,3 @@ def test_bad_methods_and_values(sweeps, capsys, tmp_path):
   assert "--values must be ints" in capsys.readouterr().err
   assert sweeps.main(["alignment", "--methods", "sharegpt"] + TINY + out) == 2
   assert "unknown drafter(s) ['sharegpt']" in capsys.readouterr().err
-
-
-def test_chain_prediction_reduces_to_the_reference_formula(sweeps):
-  from eagle_jax.distill import predicted_speedup
-
-  # 6 accepted of 3 + 1 + 4 tried (a step tries its accepted tokens and the first rejected one)
-  recs = [{"accepted": [2, 0, 4], "drafted_depth": [4, 4, 4]}]
-  alpha = 6 / (3 + 1 + 4)
-  assert sweeps.chain_predicted_speedup(recs, 4, 0.1, 1.0) == pytest.approx(
-      predicted_speedup(alpha, 4, 0.1))
-  # a step without a draft is a plain decode step: 1 token for cost 1
-  recs = [{"accepted": [2, 0, 4, 0], "drafted_depth": [4, 4, 4, 0]}]
-  e = predicted_speedup(alpha, 4, 0.0)
-  assert sweeps.chain_predicted_speedup(recs, 4, 0.1, 2.0) == pytest.approx(
-      (0.75 * e + 0.25) / (0.75 * 2.0 + 0.25 + 0.4))

@@ -153,6 +153,7 @@ def test_bench_spec_rows_name_their_checkpoints(trained):
   for name in ("pld", "medusa", "draft-model"):
     assert rows[name]["greedy_matches_vanilla"] == 2 and rows[name]["tau"] >= 1.0
     assert rows[name]["speedup"] > 0 and len(rows[name]["n_alpha"]) >= 1
+    assert rows[name]["predicted_speedup"] > 0 and rows[name]["draft_ms"] >= 0
 
 
 def test_tune_uses_the_runs_own_target_and_heldout_split(tmp_path, monkeypatch, capsys):

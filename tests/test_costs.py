@@ -1,0 +1,41 @@
+"""The predicted-speedup model shared by ``bench spec``, the experiment tables and the sweeps."""
+
+import pytest
+
+from eagle_jax.costs import chain_tokens, predict_speedup
+from eagle_jax.distill import predicted_speedup
+
+
+def test_chain_prediction_reduces_to_the_reference_formula():
+  # 6 accepted of 3 + 1 + 4 tried (a step tries its accepted tokens and the first rejected one)
+  acc, dep = [2, 0, 4], [4, 4, 4]
+  alpha = 6 / (3 + 1 + 4)
+  # verifying 5 tokens as dear as 1 (the formula's assumption), draft = 4 x 0.1 target steps
+  curve = {1: 10.0, 2: 10.0, 8: 10.0}
+  speedup, a = predict_speedup(acc, dep, curve, widths=(4,), draft_ms=4.0, chain=True)
+  assert a == pytest.approx(alpha)
+  assert speedup == pytest.approx(predicted_speedup(alpha, 4, 0.1))
+  assert chain_tokens(1.0, 4) == 5.0 and chain_tokens(0.0, 4) == 1.0
+
+
+def test_undrafted_steps_are_decode_steps_that_still_pay_the_draft():
+  acc, dep = [2, 0, 4, 0], [4, 4, 4, 0]
+  curve = {1: 10.0, 4: 16.0, 8: 24.0}  # c(5) = 18 by interpolation
+  e = chain_tokens(6 / 8, 4)
+  speedup, _ = predict_speedup(acc, dep, curve, widths=(4,), draft_ms=1.0, chain=True)
+  assert speedup == pytest.approx((3 * e + 1) * 10.0 / (3 * (18.0 + 1.0) + 10.0 + 1.0))
+
+
+def test_each_step_verifies_the_smallest_width_of_the_ladder_holding_its_draft():
+  curve = {1: 10.0, 2: 11.0, 4: 13.0, 8: 21.0, 16: 37.0}  # c(3) = 12, c(9) = 23
+  # a 2-token draft verifies width 2 (3 tokens), a 5-token one width 8 (9 tokens)
+  speedup, _ = predict_speedup([1, 5], [2, 5], curve, widths=(2, 8), draft_ms=0.0, chain=False)
+  assert speedup == pytest.approx((2 + 6) * 10.0 / (12.0 + 23.0))
+
+
+def test_trees_use_the_measured_tokens_and_their_full_node_budget():
+  curve = {1: 10.0, 16: 30.0, 36: 50.0}  # 25 nodes + root: c(26) = 40
+  speedup, alpha = predict_speedup([3, 1, 0], [4, 2, 1], curve, widths=(25,), draft_ms=5.0, chain=False)
+  assert speedup == pytest.approx((4 + 2 + 1) * 10.0 / (3 * 45.0))
+  assert alpha == pytest.approx(4 / (4 + 2 + 1))
+  assert predict_speedup([], [], curve, widths=(25,), draft_ms=5.0, chain=False) == (None, None)
