@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import uuid
 from typing import Literal
 
 from eagle_jax.configs import dump_config, load_config, to_dict
@@ -233,9 +234,11 @@ def _prompts_key(questions) -> dict:
 
 
 def _unit(out, cfg, method: MethodConfig, temperature, checkpoint, prompts_key, stem=None):
-  """``(records path, key)`` of one (method, temperature) evaluation."""
+  """``(records path, key)`` of one (method, temperature) evaluation. The key holds the
+  evaluation settings but not the list of temperatures: adding one keeps the others' units."""
+  ev = {k: v for k, v in to_dict(cfg.eval).items() if k != "temperatures"}
   key = {"model": cfg.model, "method": to_dict(method), "checkpoint": _checkpoint_key(checkpoint),
-         "temperature": temperature, "eval": to_dict(cfg.eval), "prompts": prompts_key,
+         "temperature": temperature, "eval": ev, "prompts": prompts_key,
          "machine": _machine()}
   if stem:  # not a method's records (notebooks read records/<method>-T<temperature>.jsonl)
     return os.path.join(out, f"{stem}.jsonl"), key
@@ -280,10 +283,10 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
   out = os.path.join(cfg.results_dir, cfg.name)
   os.makedirs(out, exist_ok=True)
   dump_config(cfg, os.path.join(out, "config.yaml"))
+  questions = questions_for(cfg.eval)  # a bad prompt file or category fails before any training
   lm = load_model(cfg.model)
   checkpoints = {m.name: ensure_checkpoint(m, cfg, progress) if m.kind in TRAINED else None
                  for m in cfg.methods}
-  questions = questions_for(cfg.eval)
   qkey = _prompts_key(questions)
   first_answers = None
   if 2 in cfg.eval.turns:  # the target's own greedy first answers
@@ -303,17 +306,22 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
   units, drafters = {}, {}
   costs_path = os.path.join(out, "costs.json")
   costs = _load_costs(costs_path, cfg.model)
+  session = uuid.uuid4().hex[:12]  # records timed by this process (speedups pair within one)
   for temperature in cfg.eval.temperatures:
+    unit = {m.name: _unit(out, cfg, m, temperature, checkpoints[m.name], qkey) for m in cfg.methods}
+    cached = {name: _cached(*u) for name, u in unit.items()}
+    if any(r is None for r in cached.values()):  # a method re-timed now gets a vanilla timed now
+      cached[cfg.vanilla.name] = None
     for m in cfg.methods:
-      upath, ukey = _unit(out, cfg, m, temperature, checkpoints[m.name], qkey)
-      records = _cached(upath, ukey)
+      records = cached[m.name]
       if records is None:
         if m.name not in drafters:
           drafters[m.name] = drafter_for(m, lm.model, cfg, checkpoints[m.name])
           _measure_costs(costs, m.name, lm.model, *drafters[m.name], prompts[0]["tokens"])
           _write_atomic(costs_path, json.dumps(costs, indent=1))
         records = run_unit(lm, *drafters[m.name], prompts, m.name, temperature, cfg.eval, progress)
-        _store(upath, ukey, records)
+        records = [dict(r, session=session) for r in records]
+        _store(*unit[m.name], records)
       units[(m.name, temperature)] = records
   summary = summarize(cfg, units, checkpoints, costs)
   _write_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=1))

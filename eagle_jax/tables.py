@@ -70,6 +70,8 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict) -> dict:
           "seconds": round(sum(r["seconds"] for r in recs), 3),
           "new_tokens": sum(r["new_tokens"] for r in recs),
           "greedy_mismatches": mismatches if temp == 0 and m.name != van else None,
+          # both timed by one process (records from before sessions were kept count as one)
+          "same_run": {r.get("session") for r in recs} == {r.get("session") for r in vrecs},
           "predicted_speedup": _predicted(recs, costs, m.name),
           "num_nodes": costs.get("num_nodes", {}).get(m.name),
           "per_category": {c: _cell([r for r in recs if r["category"] == c],
@@ -79,7 +81,8 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict) -> dict:
   ev = cfg.eval
   return {"name": cfg.name, "model": cfg.model, "methods": methods,
           "settings": {**to_dict(ev), "temperatures": list(ev.temperatures), "tau": TAU,
-                       "speedup": "tokens/s over vanilla's, same prompts, same run",
+                       "speedup": "tokens/s over vanilla's, same prompts, same run (same_run false: "
+                                  "vanilla was timed by another run)",
                        "verify_cost_ms": costs.get("verify_cost_ms"),
                        "prompts": f"{ev.prompts}: {ev.num_questions or 'all'} questions, turns "
                                   f"{list(ev.turns)}"}}
@@ -89,8 +92,15 @@ def read_summary(folder: str) -> dict:
   path = os.path.join(folder, "summary.json")
   if not os.path.isfile(path):
     raise EagleJaxError(f"{folder}: no summary.json (run the experiment with eagle-jax run CONFIG)")
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      summary = json.load(f)
+  except (OSError, ValueError) as e:
+    raise EagleJaxError(f"{path}: unreadable summary ({e}); re-run the experiment") from None
+  if not isinstance(summary, dict) or not {"methods", "settings"} <= set(summary):
+    raise EagleJaxError(f"{path}: not an eagle-jax run summary (no 'methods' or 'settings'); "
+                        "re-run the experiment with eagle-jax run CONFIG")
+  return summary
 
 
 def _fmt(x, suffix=""):
@@ -116,9 +126,12 @@ def render_markdown(summaries: list[dict], per_category: bool = False) -> str:
       cells += [_fmt(e.get(t, {}).get("speedup"), "x"), _fmt(e.get(t, {}).get("tau"))]
     bad = [f"{t}: {e[t]['greedy_mismatches']} greedy mismatches vs vanilla" for t in temps
            if (e.get(t) or {}).get("greedy_mismatches")]
+    bad += [f"{t}: vanilla timed in another run" for t in temps
+            if (e.get(t) or {}).get("same_run") is False]
     lines.append("| " + " | ".join([label] + cells + ["; ".join(bad) or ""]) + " |")
   s0 = summaries[0]["settings"]
-  lines.append(f"\nτ: {TAU}. Speedup: tokens/s over vanilla's on the same prompts in the same run. "
+  lines.append(f"\nτ: {TAU}. Speedup: tokens/s over vanilla's on the same prompts in the same run "
+               "(unless the Notes say otherwise). "
                f"Prompts: {s0.get('prompts')}; max_new_tokens {s0.get('max_new_tokens')}, "
                f"batch {s0.get('batch_size')}.")
   if per_category:

@@ -147,7 +147,8 @@ def sweep_budget(cfg, methods=DEFAULT_METHODS["budget"], gammas=GAMMAS, sizes=TR
     seen, shape = set(), {}
     if m in ("eagle2", "eagle3"):  # the tuned top_k and depth, top_k widened to fit max(sizes)
       d = bench.build(MethodConfig(name=m))[0]
-      k = next(k for k in range(d.top_k, max(sizes) + 1) if k + (d.depth - 1) * k * k >= max(sizes))
+      k = next((k for k in range(d.top_k, max(sizes) + 1) if k + (d.depth - 1) * k * k >= max(sizes)),
+               d.top_k)  # the tuned top_k when it already holds the largest size
       shape = dict(top_k=k, depth=d.depth)
     for x in gammas if m in CHAIN else sizes:
       built = bench.build(MethodConfig(name=m, gamma=x) if m in CHAIN else

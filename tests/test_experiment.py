@@ -125,6 +125,37 @@ def test_rerun_only_rerenders(finished, monkeypatch, capsys):
   assert timed == []  # the stored costs.json covers vanilla's sizes: nothing is timed again
 
 
+def test_a_method_timed_again_is_paired_with_a_vanilla_timed_again(finished, tmp_path, monkeypatch, capsys):
+  import shutil
+
+  path, out = finished
+  results = tmp_path / "results"
+  shutil.copytree(out, results / "tiny")
+  config = tmp_path / "exp.yaml"
+  config.write_text(CONFIG.format(results=results, runs=tmp_path / "runs", prompts="mtbench")
+                    .replace("gamma: 2}", "gamma: 3}"))
+  calls = []
+
+  def stored(lm, drafter, dparams, prompts, method, temperature, *rest):
+    calls.append((method, temperature))
+    return experiment._read_jsonl(str(results / "tiny" / "records" / f"{method}-T{temperature}.jsonl"))
+
+  monkeypatch.setattr(experiment, "run_unit", stored)
+  monkeypatch.setattr(experiment, "_measure_costs", lambda *a: None)
+  summary = experiment.run_experiment(str(config), progress=False)
+  # only skip2 changed, and vanilla is timed again beside it at each temperature
+  assert calls == [("vanilla", 0.0), ("skip2", 0.0), ("vanilla", 1.0), ("skip2", 1.0)]
+  assert summary["methods"]["skip2"]["T0.0"]["same_run"] is True
+  assert summary["methods"]["pld"]["T0.0"]["same_run"] is False  # timed by the first run
+  assert "T0.0: vanilla timed in another run" in (results / "tiny" / "table.md").read_text()
+  (results / "tiny" / "summary.json").write_text("{not json")
+  assert main(["table", str(results / "tiny")]) == 2
+  assert "unreadable summary" in capsys.readouterr().err
+  (results / "tiny" / "summary.json").write_text('{"rows": []}')
+  assert main(["table", str(results / "tiny")]) == 2
+  assert "not an eagle-jax run summary" in capsys.readouterr().err
+
+
 def test_table_command_markdown_and_latex(finished, capsys):
   _, out = finished
   capsys.readouterr()
