@@ -32,7 +32,7 @@ def _draft_shapes(text: str) -> dict[str, tuple[int, int]]:
 
 
 def _cmd_generate(args) -> None:
-  from eagle_jax.drafters.factory import make_drafter
+  from eagle_jax.drafters.factory import check_options, make_drafter
   from eagle_jax.generate import generate
   from eagle_jax.registry import load_model
   from eagle_jax.sampling import SamplingParams
@@ -41,9 +41,11 @@ def _cmd_generate(args) -> None:
   params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
   if not args.message.strip():
     raise EagleJaxError("empty prompt: give a non-empty user message")
+  options = _drafter_options(args)
+  check_options(args.drafter, options)  # before loading anything
   lm = load_model(args.model)
   prompt = lm.tokenizer.chat_prompt(args.message)
-  drafter, dparams = make_drafter(args.drafter, lm.model, _drafter_options(args), args.model)
+  drafter, dparams = make_drafter(args.drafter, lm.model, options, args.model)
   common = dict(max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
                 max_cache_len=args.max_cache_len)
   if drafter is None:

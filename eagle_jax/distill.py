@@ -226,6 +226,8 @@ def time_draft_sizes(target: Transformer, configs: dict[str, DraftModelConfig], 
   """Per candidate draft shape: ``{"params", "draft_ms", "ratio_c"}`` (random weights, the
   target's dtype), plus ``"target_ms"``; ms = one decode step, timed over ``gamma`` chained
   steps after ``context`` cached tokens (see :func:`_decode_step_ms`)."""
+  if gamma < 1:
+    raise EagleJaxError(f"--gamma must be >= 1 (draft steps timed per call), got {gamma}")
   out: dict = {"target_ms": _decode_step_ms(target, gamma, context, repeats)}
   for name, cfg in configs.items():
     draft = Transformer(dataclasses.replace(cfg, embed_init="random").model_config(target.config),

@@ -220,6 +220,10 @@ def prepare_prompts(model: Transformer, prompts, max_new_tokens: int, max_cache_
   if max_new_tokens < 1:
     raise EagleJaxError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   limit = max_cache_len or model.config.max_position_embeddings
+  if limit > model.config.max_position_embeddings:
+    raise EagleJaxError(f"cache length {limit} exceeds the model's context of "
+                        f"{model.config.max_position_embeddings} tokens (its sliding window, if it "
+                        "has one: attention is exact only within it)")
   tokens_BxP, lengths_B = pad_prompts(prompts, pad_id=pad_id, min_width=prompt_width)
   extra = 2 * (draft_nodes + 1) if draft_nodes else 0
   need = int(lengths_B.max()) + max_new_tokens + extra

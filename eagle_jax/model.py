@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ModelConfig
+from eagle_jax.errors import EagleJaxError
 from eagle_jax.kernels import BLOCK, Blocks, attend, linear
 from eagle_jax.sampling import greedy_token
 
@@ -338,6 +339,12 @@ class Transformer(nnx.Module):
     ``causal``: ``mask_BxTxT`` hides every later token (a causal mask, or a narrower one such as
     packed segments'), so long passes may skip the upper triangle; implied without a mask."""
     b, t = tokens_BxT.shape
+    if cache is not None:  # slots past the end would be dropped silently: refuse what is known
+      lengths = cache.lengths_B
+      full = t if isinstance(lengths, jax.core.Tracer) else int(jnp.max(lengths)) + t
+      if full > cache.max_len:
+        raise EagleJaxError(f"{t} new tokens after {full - t} cached ones overflow a "
+                            f"{cache.max_len}-slot KV cache")
     x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0)
     cos, sin = rope_tables(self.config, positions_BxT, x_BxTxD.dtype)
     if mask_BxTxT is None:

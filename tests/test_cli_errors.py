@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from eagle_jax import cli
+from eagle_jax.errors import EagleJaxError
 from eagle_jax.registry import REGISTRY
 
 
@@ -99,6 +100,31 @@ def test_unsupported_gguf_architecture(capsys, tmp_path):
   w.write_tensors_to_file()
   w.close()
   assert "unsupported GGUF architecture 'gpt2'" in _run_error(capsys, ["generate", "--model", str(path), "hi"])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--drafter", "pld", "--self-draft-layers", "3"], "--self-draft-layers: not used by --drafter pld"),
+    (["--gamma", "3"], "--gamma: not used by --drafter vanilla"),
+    (["--drafter", "self-draft", "--drafter-ckpt", "/x", "--head-bits", "8"],
+     "--drafter-ckpt, --head-bits: not used by --drafter self-draft"),
+    (["--drafter", "eagle1", "--total-tokens", "9"], "--total-tokens: not used by --drafter eagle1"),
+    (["--drafter", "eagle3", "--draft-vocab", "4096"], "--draft-vocab: not used by --drafter eagle3"),
+    (["--drafter", "eagle2", "--gamma", "3"], "--gamma: --drafter eagle2 drafts a dynamic tree"),
+    (["--drafter", "eagle2", "--tree", "default", "--total-tokens", "5", "--depth", "3"],
+     "--total-tokens, --depth: not used with --tree default"),
+    (["--drafter", "medusa", "--gamma", "2", "--total-tokens", "5"], "--total-tokens: not used with --gamma"),
+    (["--drafter", "medusa", "--gamma", "-1"], "--gamma must be >= 0, got -1"),
+    (["--drafter", "eagle2", "--total-tokens", "-2"], "--total-tokens must be >= 0, got -2"),
+])
+def test_drafter_options_the_drafter_would_ignore_are_refused(capsys, argv, expected):
+  assert expected in _run_error(capsys, ["generate", *argv, "hi"])
+
+
+def test_draft_size_timing_needs_a_positive_gamma(tiny):
+  from eagle_jax.distill import time_draft_sizes
+
+  with pytest.raises(EagleJaxError, match="--gamma must be >= 1"):
+    time_draft_sizes(tiny(), {}, gamma=0)
 
 
 @pytest.mark.slow

@@ -139,6 +139,21 @@ def test_dynamic_tree_budget_is_checked(tiny):
     EagleDrafter.create(make_head(tiny().config, 1), tiny(), None, top_k=2, depth=2, total_tokens=7)
 
 
+def test_draft_vocabulary_and_target_are_checked(tiny):
+  target = tiny()
+  head = make_head(target.config, 1)
+  # more candidates per node than the draft vocabulary holds: dynamic top_k, static tree ranks
+  with pytest.raises(EagleJaxError, match="ranks 8 tokens per node .* holds 4"):
+    EagleDrafter.create(head, target, None, draft_ids=[1, 2, 3, 4], top_k=8, depth=3, total_tokens=10)
+  with pytest.raises(EagleJaxError, match="ranks 4 tokens per node .* holds 3"):
+    EagleDrafter.create(head, target, TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES), draft_ids=[1, 2, 3])
+  EagleDrafter.create(head, target, TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES), draft_ids=[1, 2, 3, 4])
+  # a head trained for a target with another vocabulary would draft ids the target lacks
+  other = tiny(vocab_size=target.config.vocab_size * 2)
+  with pytest.raises(EagleJaxError, match="vocab_size"):
+    EagleDrafter.create(make_head(other.config, 1), target, None, top_k=2, depth=2, total_tokens=3)
+
+
 @pytest.mark.parametrize("version,tree,reduced", [(1, "static25", False), (1, "dynamic", True),
                                                    (3, "dynamic", False)])
 def test_sampling_is_lossless(version, tree, reduced):

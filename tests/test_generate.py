@@ -119,6 +119,13 @@ def test_prompt_longer_than_cache(tiny):
     generate(tiny(), [list(range(10))], max_new_tokens=8, max_cache_len=16)
 
 
+def test_cache_longer_than_the_models_context_is_refused(tiny):
+  model = tiny(max_position_embeddings=32)  # e.g. a sliding window capped the context
+  with pytest.raises(EagleJaxError, match="cache length 128 exceeds the model's context of 32"):
+    generate(model, [list(range(10))], max_new_tokens=8, max_cache_len=128)
+  generate(model, [list(range(10))], max_new_tokens=8, max_cache_len=32)
+
+
 def test_empty_prompt(tiny):
   with pytest.raises(EagleJaxError, match="empty prompt"):
     generate(tiny(), [[]], max_new_tokens=4)

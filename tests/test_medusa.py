@@ -32,6 +32,14 @@ def make_heads(target, seed=1, num_heads=4):
   return heads
 
 
+def test_heads_for_another_vocabulary_are_refused(tiny):
+  """Heads with a larger vocabulary would draft ids the target lacks (and at T > 0 accept them)."""
+  target = tiny()
+  wide = tiny(vocab_size=target.config.vocab_size * 2)
+  with pytest.raises(EagleJaxError, match="vocab_size"):
+    MedusaDrafter.create(make_heads(wide), TreeSpec.chain(3), target)
+
+
 TREES = {"default63": TreeSpec.from_choices(MEDUSA_DEFAULT_CHOICES), "chain3": TreeSpec.chain(3)}
 
 

@@ -141,3 +141,17 @@ def test_long_causal_pass_in_blocks_equals_full_attention(tiny):
   greedy = model.greedy_tokens(implied.hidden_BxTxD, chunk=48)  # b * t is not a multiple of 48
   assert greedy.shape == (b, t) and greedy.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(greedy), np.asarray(jnp.argmax(implied.logits_BxTxV, -1)))
+
+
+def test_writing_past_the_cache_end_is_refused(tiny):
+  """K/V past the last slot would be dropped and the history silently cut."""
+  from eagle_jax.errors import EagleJaxError
+
+  model = tiny()
+  cache = KVCache.init(model.config, 1, 8)
+  tokens = jnp.ones((1, 10), jnp.int32)
+  with pytest.raises(EagleJaxError, match="10 new tokens after 0 cached ones overflow a 8-slot"):
+    model(tokens, jnp.arange(10)[None], cache)
+  out = model(tokens[:, :6], jnp.arange(6)[None], cache)
+  with pytest.raises(EagleJaxError, match="3 new tokens after 6 cached ones"):
+    model(tokens[:, :3], 6 + jnp.arange(3)[None], out.cache)

@@ -130,6 +130,20 @@ def test_statistics_count_only_emitted_tokens(tiny):
   assert gen.tokens[0][-1] == stop and gen.n_alpha() == [1.0] * 4
 
 
+def test_self_draft_shares_the_targets_lm_head_blocks(tiny):
+  """A tied LM head held in integer blocks is the self-draft's LM head too (not the float path)."""
+  from eagle_jax.model import quantize_linears
+
+  target = tiny(tie_word_embeddings=True)
+  quantize_linears(target)
+  assert target.lm_head is None and target.embed_blocks is not None
+  draft = self_draft_model(target, 1)
+  assert draft.embed_blocks is target.embed_blocks
+  drafter, dparams = DraftModelDrafter.create(draft, gamma=3)
+  gen = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=12)
+  assert gen.tokens == generate(target, PROMPTS, max_new_tokens=12).tokens
+
+
 def test_acceptance_rates_counting():
   # steps: accepted 2 of depth 3, accepted 0 of depth 3, accepted 3 of 3, nothing drafted
   rates = acceptance_rates([[2, 0, 3, 0]], [[3, 3, 3, 0]])

@@ -76,6 +76,7 @@ def test_train_then_generate_with_medusa_and_draft_model(trained, capsys):
   vanilla = _generate(capsys)
   for flags in (["--drafter", "medusa"], ["--drafter", "medusa", "--tree", "default"],
                 ["--drafter", "medusa", "--total-tokens", "5"], ["--drafter", "draft-model"],
+                ["--drafter", "draft-model", "--drafter-ckpt", str(runs / "tiny-draft-model")],  # a run folder
                 ["--drafter", "draft-model", "--gamma", "2", "--drafter-ckpt",
                  str(runs / "tiny-draft-model" / "final")]):
     got = _generate(capsys, *flags, "--runs-dir", str(runs))
@@ -133,7 +134,7 @@ def test_train_errors_are_one_line(trained, tmp_path, capsys):
   assert main(["generate", "--drafter", "medusa", "--drafter-ckpt", str(runs / "tiny-eagle1"), "hi"]) == 2
   assert "holds a 'eagle1' drafter" in capsys.readouterr().err
   assert main(["generate", "--drafter", "eagle3", "--draft-vocab", "4096", "--runs-dir", str(runs), "hi"]) == 2
-  assert "--draft-vocab applies to eagle1/eagle2" in capsys.readouterr().err
+  assert "--draft-vocab: not used by --drafter eagle3" in capsys.readouterr().err
 
 
 def test_bench_spec_rows_name_their_checkpoints(trained):

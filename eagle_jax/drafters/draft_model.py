@@ -43,6 +43,7 @@ def self_draft_model(target: Transformer, num_layers: int) -> Transformer:
     draft.layers[i] = target.layers[i]
   draft.final_norm = target.final_norm
   draft.lm_head = target.lm_head
+  draft.embed_blocks = target.embed_blocks  # a tied LM head's integer blocks (CPU kernel)
   return draft
 
 

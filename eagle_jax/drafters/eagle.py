@@ -81,9 +81,11 @@ class EagleDrafter:
     ``draft_ids``: an EAGLE-1 head drafts only these target ids, through their rows of the
     target's LM head (see :func:`eagle_jax.eagle_train.top_tokens`); None = every id.
     """
-    if head.config.target.hidden_size != target.config.hidden_size:
-      raise EagleJaxError("EAGLE head was trained for a different target (hidden size "
-                          f"{head.config.target.hidden_size} vs {target.config.hidden_size})")
+    for what in ("hidden_size", "vocab_size"):
+      trained, given = getattr(head.config.target, what), getattr(target.config, what)
+      if trained != given:
+        raise EagleJaxError(f"EAGLE head was trained for a different target ({what} {trained} "
+                            f"vs {given})")
     if draft_ids is not None and head.lm_head is not None:
       raise EagleJaxError("an EAGLE-3 head drafts over the vocabulary it was trained with; "
                           "a draft vocabulary applies to EAGLE-1/2 heads")
@@ -92,6 +94,12 @@ class EagleDrafter:
     graphdef, state = nnx.split(head)
     frozen = Frozen.of(target, draft_ids)
     size = 0 if frozen.d2t_K is None else int(frozen.d2t_K.shape[0])
+    vocab = size or head.config.draft_vocab or target.config.vocab_size  # ids a depth ranks
+    widest = (int(tree.ranks.max()) + 1 if tree is not None and tree.num_nodes
+              else dynamic.get("top_k", cls.top_k))
+    if widest > vocab:
+      raise EagleJaxError(f"the draft ranks {widest} tokens per node (top_k or the tree's "
+                          f"ranks) but its vocabulary holds {vocab}")
     return (cls(graphdef=graphdef, tree=tree, feature_layers=head.config.feature_layers,
                 draft_vocab=size, **dynamic), (state, frozen))
 

@@ -37,6 +37,50 @@ class DrafterOptions:
   head_bits: int = -1
   runs_dir: str = "runs"  # where trained drafters are looked up when no checkpoint is given
 
+  def __post_init__(self):
+    for name in ("gamma", "pld_min_ngram", "pld_max_ngram", "self_draft_layers", "top_k", "depth",
+                 "total_tokens"):
+      if getattr(self, name) < 0:
+        raise EagleJaxError(f"{FLAGS[name]} must be >= 0, got {getattr(self, name)}")
+
+
+# the command-line flag of each option (``eagle-jax generate``, ``bench spec``)
+FLAGS = {"gamma": "--gamma", "pld_min_ngram": "--pld-min-ngram", "pld_max_ngram": "--pld-max-ngram",
+         "pld_widths": "--pld-widths", "draft_model": "--drafter-ckpt", "runs_dir": "--runs-dir",
+         "self_draft_layers": "--self-draft-layers", "top_k": "--top-k-tree", "depth": "--depth",
+         "total_tokens": "--total-tokens", "tree": "--tree", "draft_vocab": "--draft-vocab",
+         "head_bits": "--head-bits"}
+_TRAINED = ("draft_model", "runs_dir", "head_bits")
+_DYNAMIC = ("top_k", "depth", "total_tokens")
+USES = {  # the options each drafter reads
+    "vanilla": (), "pld": ("gamma", "pld_min_ngram", "pld_max_ngram", "pld_widths"),
+    "pld-static": ("gamma", "pld_min_ngram", "pld_max_ngram"),
+    "self-draft": ("gamma", "self_draft_layers"), "draft-model": ("gamma",) + _TRAINED,
+    "medusa": ("gamma", "total_tokens", "tree") + _TRAINED,
+    "eagle1": ("gamma", "tree", "draft_vocab") + _TRAINED,
+    "eagle2": ("gamma", "tree", "draft_vocab") + _DYNAMIC + _TRAINED,
+    "eagle3": ("gamma", "tree") + _DYNAMIC + _TRAINED,
+}
+
+
+def check_options(name: str, options: DrafterOptions) -> None:
+  """One-line error for an option set for drafter ``name`` that it would ignore: one it never
+  reads, or one overridden by another (a static tree or a chain has no dynamic budget)."""
+  set_ = {f.name for f in dataclasses.fields(DrafterOptions)
+          if getattr(options, f.name) != getattr(DrafterOptions(), f.name)}
+  unused = sorted(set_ - set(USES[name]), key=list(FLAGS).index)
+  if unused:
+    raise EagleJaxError(f"{', '.join(FLAGS[u] for u in unused)}: not used by --drafter {name} "
+                        f"(it reads: {', '.join(FLAGS[u] for u in USES[name]) or 'no options'})")
+  if name in ("eagle2", "eagle3") and "gamma" in set_ and options.tree != "default":
+    raise EagleJaxError(f"--gamma: --drafter {name} drafts a dynamic tree; a chain needs "
+                        "--tree default or --drafter eagle1")
+  static = options.tree == "default" or ("gamma" in set_ and name != "eagle1")
+  if static and (clash := [u for u in ("total_tokens",) + _DYNAMIC[:2] if u in set_ and u in USES[name]]):
+    raise EagleJaxError(f"{', '.join(FLAGS[u] for u in clash)}: not used with "
+                        f"{'--tree default' if options.tree == 'default' else '--gamma'} "
+                        "(a static tree or chain, not a budget)")
+
 
 def method_spec(spec: str, options: DrafterOptions) -> tuple[str, DrafterOptions]:
   """``"eagle2:draft_vocab=8192:top_k=4"`` -> ``("eagle2", options with those fields)``, so one
@@ -81,6 +125,8 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
     from eagle_jax.registry import load_model
 
     path = options.draft_model or find_checkpoint(name, options.runs_dir, model)
+    if os.path.isfile(os.path.join(path, "final", "drafter.json")):  # a training run's folder
+      path = os.path.join(path, "final")
     draft = load_model(path).model
     if head_bits(options, {}) == 8:  # its float32 weights (a GGUF's integer blocks stay as they are)
       quantize_linears(draft)
@@ -96,6 +142,7 @@ def prompt_lookup(target: Transformer, options: DrafterOptions,
   gamma = options.gamma or 8
   widths = (options.pld_widths or tuple(sorted({min(3, gamma), gamma}))) if cost_aware else ()
   check_widths(widths, gamma)  # before timing verify passes for them
+  PromptLookupDrafter(gamma=gamma, min_ngram=options.pld_min_ngram, max_ngram=options.pld_max_ngram)
   costs = ()
   if widths:
     from eagle_jax.costs import verify_cost_curve
@@ -191,6 +238,9 @@ def make_medusa(target: Transformer, options: DrafterOptions, model: str | None 
   if head_bits(options, meta.get("budget", {})) == 8:
     heads.quantize8()
   depth = heads.config.num_heads
+  if options.total_tokens and "rank_acc" not in meta:
+    raise EagleJaxError(f"{path}: --total-tokens needs the held-out rank accuracies that tuning "
+                        "records (none in drafter.json); use --tree default or --gamma")
   if options.tree == "default" or "rank_acc" not in meta:
     choices = [c for c in MEDUSA_DEFAULT_CHOICES if len(c) <= depth]
   elif options.total_tokens:
@@ -198,5 +248,8 @@ def make_medusa(target: Transformer, options: DrafterOptions, model: str | None 
   else:
     choices = meta["budget"]["tree"]
   if options.gamma:
-    choices = TreeSpec.chain(min(options.gamma, depth)).choices
+    if options.gamma > depth:
+      raise EagleJaxError(f"--gamma {options.gamma}: a Medusa chain is at most {depth} deep (one "
+                          "node per head)")
+    choices = TreeSpec.chain(options.gamma).choices
   return MedusaDrafter.create(heads, TreeSpec.from_choices(choices), target)

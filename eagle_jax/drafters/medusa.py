@@ -40,9 +40,11 @@ class MedusaDrafter:
     if tree.max_depth > heads.config.num_heads:
       raise EagleJaxError(f"Medusa tree is {tree.max_depth} deep but there are only "
                           f"{heads.config.num_heads} heads")
-    if target is not None and target.config.hidden_size != heads.config.hidden_size:
-      raise EagleJaxError("Medusa heads were trained for a different target (hidden size "
-                          f"{heads.config.hidden_size} vs {target.config.hidden_size})")
+    for what in ("hidden_size", "vocab_size"):
+      trained = getattr(heads.config, what)
+      if target is not None and getattr(target.config, what) != trained:
+        raise EagleJaxError(f"Medusa heads were trained for a different target ({what} "
+                            f"{trained} vs {getattr(target.config, what)})")
     graphdef, state = nnx.split(heads)
     return cls(graphdef=graphdef, tree=tree), state
 

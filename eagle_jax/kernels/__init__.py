@@ -42,6 +42,7 @@ import sys
 
 import flax
 import jax
+import jaxlib
 import jax.numpy as jnp
 import numpy as np
 
@@ -73,7 +74,8 @@ def _build() -> str:
   flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
            "-I" + jax.ffi.include_dir()]
   with open(_SOURCE, "rb") as f:
-    key = hashlib.sha1(f.read() + repr((cxx, flags, jax.__version__, _cpu_id())).encode()).hexdigest()[:16]
+    key = hashlib.sha1(f.read() + repr((cxx, flags, jax.__version__, jaxlib.__version__,
+                                        _cpu_id())).encode()).hexdigest()[:16]
   folder = os.path.join(cache_dir(), "kernels")
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, f"small_matmul-{key}.so")
