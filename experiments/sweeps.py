@@ -35,6 +35,7 @@ from eagle_jax.costs import predict_speedup, verify_cost_curve
 from eagle_jax.drafters.eagle import EagleDrafter
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.model import Linear, quantize_linears
 from eagle_jax.experiment import (TRAINED, EvalConfig, ExperimentConfig, MethodConfig,
                                   build_prompts, drafter_for, ensure_checkpoint, questions_for,
                                   run_unit)
@@ -203,8 +204,9 @@ def sweep_alignment(cfg, drafters=tuple(ALIGNMENT), temperature=0.0, progress=Fa
 
   - ``trained-head``: eagle2 (dynamic tree) with the trained EAGLE-1 head (its tuned budget);
   - ``untrained-head``: a freshly initialised EAGLE-1 head (``nnx.Rngs(0)``, built in memory, no
-    training) drafting the same dynamic tree (the trained head's top_k, depth, total_tokens, or
-    the eagle2 defaults 8, 5, 24 without it): the acceptance owed to training alone;
+    training) drafting in the trained head's form: the same dynamic tree (top_k, depth,
+    total_tokens), draft vocabulary and weight bits (without a trained head: eagle2's defaults
+    8, 5, 24, the whole vocabulary, float32), so that only training differs;
   - ``layer-skip``: self-draft, the target's first third of layers under its own LM head;
   - ``draft-model``: the small draft model distilled from the target's distributions on
     ShareGPT text. It stands for "a draft trained on different data": it never sees the
@@ -215,19 +217,32 @@ def sweep_alignment(cfg, drafters=tuple(ALIGNMENT), temperature=0.0, progress=Fa
                      progress=progress)
   trained = bench.build(MethodConfig(name="eagle2")) if "trained-head" in drafters else None
   tree = dict(top_k=8, depth=5, total_tokens=24)  # eagle2's defaults without a tuned budget
+  draft_ids, bits = None, 0
   if trained:
     tree = {k: getattr(trained[0], k) for k in tree}
+    draft_ids, bits = drafting_form(*trained)
   rows = []
   for label in drafters:
     if label == "untrained-head":
       head = EagleHead(EagleHeadConfig(1, bench.lm.model.config), rngs=nnx.Rngs(0))
-      built = EagleDrafter.create(head, bench.lm.model, None, **tree)
+      if bits == 8:
+        quantize_linears(head)
+      built = EagleDrafter.create(head, bench.lm.model, None, draft_ids=draft_ids, **tree)
     elif label == "trained-head":
       built = trained
     else:
       built = bench.build(MethodConfig(name=ALIGNMENT[label]))
     rows += rows_of(ALIGNMENT[label], label, *bench.measure(label, built, temperature))
   return _sweep("alignment", "drafter", rows, bench)
+
+
+def drafting_form(drafter: EagleDrafter, dparams) -> tuple[Any, int]:
+  """How a built EAGLE drafter drafts besides its weights: its draft vocabulary (target ids, or
+  None for the whole vocabulary) and its weights' bits (8 when its linears read 8-bit blocks,
+  else 0), so that another head can be drafted in the same form."""
+  head = nnx.merge(drafter.graphdef, dparams[0])
+  blocks = any(isinstance(n, Linear) and n.blocks is not None for _, n in nnx.iter_graph(head))
+  return dparams[1].d2t_K, 8 if blocks else 0
 
 
 def _check(what: str, given, allowed) -> None:

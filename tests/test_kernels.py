@@ -136,6 +136,35 @@ def test_block_kernel_gradients_and_vmap():
   np.testing.assert_allclose(np.asarray(got), np.asarray(_einsum(xb, w)), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("axes", [(None, 0), (0, 0), (1, 0)])
+def test_vmap_over_weights_matches_einsum(blocked, axes):
+  """vmap over several weights (e.g. heads' parameters stacked), with x shared or batched:
+  the kernels multiply by one matrix, so such a batch takes the einsum per weight; a batch of
+  x alone still reaches the kernel, also nested under a second vmap."""
+  rng = np.random.default_rng(4)
+  blocks = [_blocks(50, 64, 8, seed=s) for s in range(3)]
+  w3 = jnp.stack([jnp.asarray(b.dequantize()) for b in blocks]) if blocked else \
+      jnp.asarray(rng.standard_normal((3, 50, 64)), jnp.float32)
+  b3 = jax.tree.map(lambda *a: jnp.stack([jnp.asarray(t) for t in a]), *blocks) if blocked else None
+  x = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
+  xa, wa = axes
+  xin = x if xa != 1 else jnp.moveaxis(x, 0, 1)
+  f = (lambda x, w, b: kernels.linear(x, w, b)) if blocked else (lambda x, w, b: kernels.linear(x, w))
+  xs = x[0] if xa is None else xin
+  got = jax.jit(jax.vmap(f, in_axes=(xa, wa, wa)))(xs, w3, b3)
+  want = jnp.einsum("bti,boi->bto", jnp.broadcast_to(x[0], x.shape) if xa is None else x, w3)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+  # x batched twice, weight shared: still one kernel call
+  w, b = w3[0], (jax.tree.map(lambda a: a[0], b3) if blocked else None)
+  inner = jax.vmap(jax.vmap(lambda x: f(x, w, b)))
+  x2 = jnp.stack([x, -x])
+  hlo = jax.jit(inner).lower(x2).as_text()
+  assert "custom_call" in hlo or not kernels.available()
+  np.testing.assert_allclose(np.asarray(jax.jit(inner)(x2)), np.asarray(_einsum(x2, w)),
+                             rtol=1e-5, atol=1e-4)
+
+
 def _attention_operands(b, kh, g, t, s, d, tc, hidden_frac, seed=0):
   rng = np.random.default_rng(seed)
   f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)

@@ -93,3 +93,26 @@ def test_bad_methods_and_values(sweeps, capsys, tmp_path):
   assert "--values must be ints" in capsys.readouterr().err
   assert sweeps.main(["alignment", "--methods", "sharegpt"] + TINY + out) == 2
   assert "unknown drafter(s) ['sharegpt']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bits", [0, 8])
+@pytest.mark.parametrize("vocab", [None, "half"])
+def test_untrained_head_takes_the_trained_heads_drafting_form(sweeps, tiny, bits, vocab):
+  """The alignment sweep's untrained head drafts with the trained head's draft vocabulary and
+  weight bits (read back by drafting_form), so the two rows differ by training alone."""
+  import numpy as np
+  from flax import nnx
+
+  from eagle_jax.drafters.eagle import EagleDrafter
+  from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
+  from eagle_jax.model import quantize_linears
+
+  target = tiny()
+  ids = None if vocab is None else np.arange(0, target.config.vocab_size, 2)
+  head = EagleHead(EagleHeadConfig(1, target.config), rngs=nnx.Rngs(1))
+  if bits:
+    quantize_linears(head)
+  built = EagleDrafter.create(head, target, None, draft_ids=ids, top_k=3, depth=2, total_tokens=4)
+  got_ids, got_bits = sweeps.drafting_form(*built)
+  assert got_bits == bits
+  assert (got_ids is None) if ids is None else np.array_equal(np.asarray(got_ids), ids)

@@ -174,9 +174,30 @@ def _einsum(x, w):
   return jnp.einsum("...i,oi->...o", x, w)
 
 
+def _weights_stay_shared(kernel):
+  """``kernel(x, w, *rest)`` under ``jax.vmap``: batching ``x`` alone keeps one weight matrix
+  (the batch becomes leading rows of ``x``, which the kernels take); batching the weights
+  (``w`` or ``rest``, e.g. a vmap over several heads' parameters) runs the float32 einsum per
+  weight instead, as the kernels multiply by one matrix."""
+  batched_kernel = jax.custom_batching.custom_vmap(kernel)
+
+  @batched_kernel.def_vmap
+  def _rule(axis_size, in_batched, x, w, *rest):
+    x_batched, weights_batched = in_batched[0], any(jax.tree.leaves(in_batched[1:]))
+    if weights_batched:
+      if not x_batched:
+        x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+      w = w if in_batched[1] else jnp.broadcast_to(w, (axis_size,) + w.shape)
+      return jax.vmap(_einsum)(x, w), True
+    return batched_kernel(x, w, *rest), True
+
+  return batched_kernel
+
+
+@_weights_stay_shared
 def _ffi(x, w):
   out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), x.dtype)
-  return jax.ffi.ffi_call(_TARGET, out, vmap_method="expand_dims")(x, w)
+  return jax.ffi.ffi_call(_TARGET, out)(x, w)
 
 
 @jax.custom_vjp
@@ -196,10 +217,10 @@ def _bwd(res, g):
 _small_matmul.defvjp(_fwd, _bwd)
 
 
+@_weights_stay_shared
 def _block_ffi(x, w, blocks):
   out = jax.ShapeDtypeStruct(x.shape[:-1] + (blocks.shape[0],), x.dtype)
-  return jax.ffi.ffi_call(_BLOCK_TARGET, out, vmap_method="expand_dims")(
-      x, blocks.q_OxQ, blocks.scale_OxN, blocks.offset_OxN)
+  return jax.ffi.ffi_call(_BLOCK_TARGET, out)(x, blocks.q_OxQ, blocks.scale_OxN, blocks.offset_OxN)
 
 
 @jax.custom_vjp

@@ -488,8 +488,9 @@ void Launch(const std::shared_ptr<Job>& job) {
   }
 }
 
-// Whether a weight operand is one [rows, cols] matrix: it may carry leading dims of size 1
-// (jax.vmap over x alone, vmap_method="expand_dims").
+// Whether a weight operand is one [rows, cols] matrix (leading dims of size 1 allowed). Under
+// jax.vmap the Python side passes one matrix always: a batch of x becomes rows of x, a batch of
+// weights runs XLA's einsum instead (eagle_jax/kernels/__init__.py, _weights_stay_shared).
 bool OneMatrix(ffi::Span<const int64_t> d) {
   bool ok = d.size() >= 2;
   for (size_t i = 0; i + 2 < d.size(); ++i) ok = ok && d[i] == 1;
