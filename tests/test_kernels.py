@@ -1,6 +1,7 @@
 """The CPU kernels (eagle_jax.kernels): small products against XLA's einsum, attention against its reference."""
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -261,3 +262,31 @@ def test_quantize8_rounds_each_block_to_its_own_scale():
   assert (err <= scale / 2 * (1 + 1e-5) + 1e-12).all()
   with pytest.raises(ValueError, match="multiple of 32"):
     kernels.Blocks.quantize8(np.ones((4, 40), np.float32))
+
+
+_THREADS_SCRIPT = """
+import os, jax, jax.numpy as jnp, numpy as np
+from eagle_jax import kernels
+x, w = jnp.ones((4, 64), jnp.float32), jnp.ones((4096, 64), jnp.float32)
+before = len(os.listdir("/proc/self/task"))
+y = jax.jit(kernels.linear)(x, w).block_until_ready()
+assert np.array_equal(np.asarray(y), np.full((4, 4096), 64.0, np.float32))
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(not kernels.available() or not os.path.isdir("/proc/self/task"),
+                    reason="needs the CPU kernel and Linux /proc")
+def test_kernel_threads_follow_the_setting():
+  """EAGLE_JAX_KERNEL_THREADS=N starts N - 1 workers beside the caller (default: the process's
+  CPU affinity); the product is the same either way."""
+  import subprocess
+  import sys
+
+  def started(n):
+    env = dict(os.environ, EAGLE_JAX_KERNEL_THREADS=str(n))
+    out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], env=env, capture_output=True,
+                         text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+  assert started(4) - started(1) == 3

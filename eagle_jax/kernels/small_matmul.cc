@@ -18,7 +18,9 @@
 #include <memory>
 #include <mutex>
 #include <cstdint>
+#include <cstdlib>
 #include <immintrin.h>
+#include <sched.h>
 #include <thread>
 #include <vector>
 
@@ -437,7 +439,21 @@ class Pool {
   // tens of microseconds, and waking a sleeping thread costs about as much.
   static constexpr auto kSpin = std::chrono::microseconds(200);
 
-  Pool() : workers_(std::max(1u, std::thread::hardware_concurrency()) - 1) {
+  // Threads, the caller included: EAGLE_JAX_KERNEL_THREADS if set to a positive number, else the
+  // cores this process may run on (its affinity mask: a container or `taskset` limit, which
+  // hardware_concurrency ignores), else hardware_concurrency.
+  static unsigned Threads() {
+    if (const char* env = std::getenv("EAGLE_JAX_KERNEL_THREADS")) {
+      const long n = std::strtol(env, nullptr, 10);
+      if (n > 0) return static_cast<unsigned>(n);
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+      return static_cast<unsigned>(CPU_COUNT(&set));
+    }
+    return std::max(1u, std::thread::hardware_concurrency());
+  }
+  Pool() : workers_(Threads() - 1) {
     for (unsigned i = 0; i < workers_; ++i) std::thread([this] { Loop(); }).detach();
   }
   bool SpinForWork() {
