@@ -120,7 +120,9 @@ def predict_speedup(accepted, drafted, curve: dict[int, float], *, widths, draft
     accepted / tried over the drafted steps (a step tries its accepted tokens plus the first
     rejected one, capped at its depth);
   - for trees (no closed form), its measured accepted + 1.
-  Vanilla yields one token per c(1). Returns ``(speedup, alpha)``; ``(None, None)`` without steps.
+  Vanilla yields one token per c(1). Returns ``(speedup, alpha)``: ``(None, None)`` without
+  steps, alpha None when no step drafted. Costs are read off the curve, never extrapolated: a
+  ladder wider than the curve covers, or a draft wider than the ladder, is a ValueError.
   """
   acc = np.asarray(list(accepted), np.int64)
   dep = np.asarray(list(drafted), np.int64)
@@ -128,9 +130,15 @@ def predict_speedup(accepted, drafted, curve: dict[int, float], *, widths, draft
     return None, None
   has = dep > 0
   tried = int(np.minimum(acc[has] + 1, dep[has]).sum())
-  alpha = float(acc[has].sum() / tried) if tried else 0.0
+  alpha = float(acc[has].sum() / tried) if tried else None
   ladder = sorted(widths)
-  width = lambda d: next((w for w in ladder if w >= d), ladder[-1])
+  if has.any():
+    if not ladder or int(dep.max()) > ladder[-1]:
+      raise ValueError(f"a step drafted {int(dep.max())} tokens but the verify widths are {ladder}")
+    if ladder[-1] + 1 > max(curve):
+      raise ValueError(f"the verify-cost curve ends at {max(curve)} tokens; the widest verify "
+                       f"pass holds {ladder[-1] + 1}")
+  width = lambda d: next(w for w in ladder if w >= d)
   tokens = ms = 0.0
   for a, d in zip(acc, dep):
     ms += draft_ms + (interp_ms(curve, width(d) + 1) if d > 0 else curve[1])

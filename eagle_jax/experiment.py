@@ -10,14 +10,17 @@ The run writes ``<results_dir>/<name>/``:
   generated token ids, seconds, per-step accepted counts and drafted depths), with a
   ``.key.json`` beside it naming what produced it: a unit whose key still matches is reused,
   so re-running a finished experiment only re-renders and an interrupted one resumes;
+- ``baselines/<vanilla>-T<temperature>-<session>.jsonl``: vanilla's records of an earlier
+  process, kept when a later one times vanilla again (a resumed run, a method added or changed)
+  so that the methods the earlier process timed keep their own vanilla;
 - ``first-answers.jsonl``: vanilla's greedy first answers, when second turns are evaluated;
 - ``costs.json``: the verify-cost curve and each method's timed draft step (predicted speedup);
 - ``summary.json`` and ``table.md`` (:mod:`eagle_jax.tables`).
 
 Conventions: tau = tokens per target forward (verify) pass, the bonus token included, the
 prefill excluded; n-alpha = acceptance rate at draft depth n given the path reached depth n-1;
-speedup = vanilla's seconds / the method's seconds on the same prompts at the same temperature
-in the same run (compilation excluded). Second turns are built on the target's own greedy
+speedup = the method's tokens/s over vanilla's on the same prompts at the same temperature,
+both timed by the same process (records carry its ``session``; compilation excluded). Second turns are built on the target's own greedy
 first answer (vanilla, T=0), so every method sees the same second-turn prompts. At T=0 the
 runner checks that every method's tokens equal vanilla's and counts mismatches.
 """
@@ -303,7 +306,7 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
   if not prompts:
     raise EagleJaxError(f"{path}: no prompts to evaluate: none of the {len(questions)} questions "
                         f"has the turns {list(cfg.eval.turns)}")
-  units, drafters = {}, {}
+  units, drafters, baselines = {}, {}, {}
   costs_path = os.path.join(out, "costs.json")
   costs = _load_costs(costs_path, cfg.model)
   session = uuid.uuid4().hex[:12]  # records timed by this process (speedups pair within one)
@@ -311,6 +314,7 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
     unit = {m.name: _unit(out, cfg, m, temperature, checkpoints[m.name], qkey) for m in cfg.methods}
     cached = {name: _cached(*u) for name, u in unit.items()}
     if any(r is None for r in cached.values()):  # a method re-timed now gets a vanilla timed now
+      _keep_baseline(out, unit[cfg.vanilla.name], cached[cfg.vanilla.name])
       cached[cfg.vanilla.name] = None
     for m in cfg.methods:
       records = cached[m.name]
@@ -323,12 +327,42 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
         records = [dict(r, session=session) for r in records]
         _store(*unit[m.name], records)
       units[(m.name, temperature)] = records
-  summary = summarize(cfg, units, checkpoints, costs)
+    for m in cfg.methods:  # each method against the vanilla timed by the same process
+      baselines[(m.name, temperature)] = _baseline(out, unit[cfg.vanilla.name],
+                                                   units[(cfg.vanilla.name, temperature)],
+                                                   units[(m.name, temperature)])
+  summary = summarize(cfg, units, checkpoints, costs, baselines)
   _write_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=1))
   table = render_markdown([summary])
   _write_atomic(os.path.join(out, "table.md"), table + "\n")
   print(table)
   return summary
+
+
+def _sessions(records) -> set:
+  return {r.get("session") for r in records}
+
+
+def _baseline_path(out, vanilla_unit, session: str) -> str:
+  stem = os.path.basename(vanilla_unit[0])[:-len(".jsonl")]
+  return os.path.join(out, "baselines", f"{stem}-{session}.jsonl")
+
+
+def _keep_baseline(out, vanilla_unit, records) -> None:
+  """Keeps vanilla's records of one earlier process under ``baselines/`` before vanilla is
+  timed again, so the methods that process timed stay paired with it."""
+  if records and len(_sessions(records)) == 1 and None not in _sessions(records):
+    _store(_baseline_path(out, vanilla_unit, records[0]["session"]), vanilla_unit[1], records)
+
+
+def _baseline(out, vanilla_unit, vanilla_records, records):
+  """Vanilla's records timed by the process that timed ``records`` (the current ones, or kept
+  under ``baselines/`` with the same evaluation key); the current ones when there are none."""
+  sessions = _sessions(records)
+  if sessions == _sessions(vanilla_records) or len(sessions) != 1 or None in sessions:
+    return vanilla_records
+  kept = _cached(_baseline_path(out, vanilla_unit, next(iter(sessions))), vanilla_unit[1])
+  return kept or vanilla_records
 
 
 def _load_costs(path, model) -> dict:

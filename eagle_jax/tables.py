@@ -2,8 +2,9 @@
 
 Layout of Table 1 of the EAGLE-2 paper: rows are methods, columns are speedup and tau at each
 temperature; ``per_category`` adds one table per temperature with a column per category.
-Speedup = the method's tokens/s over vanilla's on the same prompts at the same temperature in
-the same run (at T=0 the outputs are identical, so this is also the ratio of seconds).
+Speedup = the method's tokens/s over vanilla's on the same prompts at the same temperature,
+both timed by one process (at T=0 the outputs are identical, so this is also the ratio of
+seconds).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def _predicted(records, costs, name):
   return None if speedup is None else round(speedup, 3)
 
 
-def summarize(cfg, units: dict, checkpoints: dict, costs: dict) -> dict:
-  """``summary.json`` of an experiment from its records (``units[(method, T)]``)."""
+def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict | None = None) -> dict:
+  """``summary.json`` of an experiment from its records (``units[(method, T)]``).
+  ``baselines[(method, T)]``: the vanilla records that method is compared with (default: the
+  current vanilla's)."""
   from eagle_jax.configs import to_dict
 
   van = cfg.vanilla.name
@@ -59,7 +62,8 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict) -> dict:
   for m in cfg.methods:
     per_t = {}
     for temp in cfg.eval.temperatures:
-      recs, vrecs = units[(m.name, temp)], units[(van, temp)]
+      recs = units[(m.name, temp)]
+      vrecs = (baselines or {}).get((m.name, temp)) or units[(van, temp)]
       entry = _cell(recs, vrecs)
       alphas = acceptance_rates([r["accepted"] for r in recs], [r["drafted_depth"] for r in recs])
       ref = {(r["id"], r["turn"]): r["token_ids"] for r in vrecs}
@@ -97,9 +101,14 @@ def read_summary(folder: str) -> dict:
       summary = json.load(f)
   except (OSError, ValueError) as e:
     raise EagleJaxError(f"{path}: unreadable summary ({e}); re-run the experiment") from None
-  if not isinstance(summary, dict) or not {"methods", "settings"} <= set(summary):
-    raise EagleJaxError(f"{path}: not an eagle-jax run summary (no 'methods' or 'settings'); "
-                        "re-run the experiment with eagle-jax run CONFIG")
+  if not isinstance(summary, dict) or not {"name", "methods", "settings"} <= set(summary):
+    raise EagleJaxError(f"{path}: not an eagle-jax run summary (no 'name', 'methods' or "
+                        "'settings'); re-run the experiment with eagle-jax run CONFIG")
+  methods, settings = summary["methods"], summary["settings"]
+  if not (isinstance(methods, dict) and all(isinstance(m, dict) for m in methods.values())
+          and isinstance(settings, dict) and isinstance(settings.get("temperatures"), list)):
+    raise EagleJaxError(f"{path}: malformed run summary ('methods' must map names to entries, "
+                        "'settings.temperatures' must be a list); re-run the experiment")
   return summary
 
 

@@ -115,9 +115,21 @@ def test_unsupported_gguf_architecture(capsys, tmp_path):
     (["--drafter", "medusa", "--gamma", "2", "--total-tokens", "5"], "--total-tokens: not used with --gamma"),
     (["--drafter", "medusa", "--gamma", "-1"], "--gamma must be >= 0, got -1"),
     (["--drafter", "eagle2", "--total-tokens", "-2"], "--total-tokens must be >= 0, got -2"),
+    (["--drafter", "eagle2", "--draft-vocab", "-7"], "--draft-vocab must be >= 0 (or -1"),
+    (["--drafter", "eagle1", "--gamma", "3", "--tree", "default"], "--tree default: not used with --gamma"),
+    (["--drafter", "medusa", "--gamma", "2", "--tree", "default"], "--tree default: not used with --gamma"),
+    (["--drafter", "eagle1", "--drafter-ckpt", "/x", "--runs-dir", "r"],
+     "--runs-dir: not used with --drafter-ckpt"),
 ])
 def test_drafter_options_the_drafter_would_ignore_are_refused(capsys, argv, expected):
   assert expected in _run_error(capsys, ["generate", *argv, "hi"])
+
+
+def test_drafter_options_refuse_negative_bits_from_python():
+  from eagle_jax.drafters.factory import DrafterOptions
+
+  with pytest.raises(EagleJaxError, match="--head-bits must be >= 0 \\(or -1"):
+    DrafterOptions(head_bits=-3)
 
 
 def test_draft_size_timing_needs_a_positive_gamma(tiny):

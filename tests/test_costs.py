@@ -39,3 +39,21 @@ def test_trees_use_the_measured_tokens_and_their_full_node_budget():
   assert speedup == pytest.approx((4 + 2 + 1) * 10.0 / (3 * 45.0))
   assert alpha == pytest.approx(4 / (4 + 2 + 1))
   assert predict_speedup([], [], curve, widths=(25,), draft_ms=5.0, chain=False) == (None, None)
+
+
+def test_nothing_drafted_has_no_acceptance_rate():
+  curve = {1: 10.0, 4: 16.0}
+  speedup, alpha = predict_speedup([0, 0], [0, 0], curve, widths=(3,), draft_ms=1.0, chain=True)
+  assert alpha is None and speedup == pytest.approx(10.0 / 11.0)
+
+
+def test_costs_outside_the_curve_or_the_ladder_are_refused_not_clamped():
+  curve = {1: 10.0, 4: 16.0, 8: 24.0}
+  with pytest.raises(ValueError, match="the verify widths are \\[4\\]"):
+    predict_speedup([1], [6], curve, widths=(4,), draft_ms=0.0, chain=False)
+  with pytest.raises(ValueError, match="the verify widths are \\[\\]"):
+    predict_speedup([1], [2], curve, widths=(), draft_ms=0.0, chain=False)
+  with pytest.raises(ValueError, match="curve ends at 8 tokens"):
+    predict_speedup([1], [2], curve, widths=(2, 8), draft_ms=0.0, chain=False)
+  # a ladder the curve covers (8 + 1 = 9 > 8 above; 7 + 1 = 8 here) is fine
+  assert predict_speedup([1], [2], curve, widths=(7,), draft_ms=0.0, chain=False)[0] > 0

@@ -146,14 +146,33 @@ def test_a_method_timed_again_is_paired_with_a_vanilla_timed_again(finished, tmp
   # only skip2 changed, and vanilla is timed again beside it at each temperature
   assert calls == [("vanilla", 0.0), ("skip2", 0.0), ("vanilla", 1.0), ("skip2", 1.0)]
   assert summary["methods"]["skip2"]["T0.0"]["same_run"] is True
-  assert summary["methods"]["pld"]["T0.0"]["same_run"] is False  # timed by the first run
-  assert "T0.0: vanilla timed in another run" in (results / "tiny" / "table.md").read_text()
+  # pld was timed by the first run: it keeps that run's vanilla, kept under baselines/
+  kept = list((results / "tiny" / "baselines").glob("vanilla-T0.0-*.jsonl"))
+  assert len(kept) == 1
+  first = {r["session"] for r in experiment._read_jsonl(str(out / "records" / "pld-T0.0.jsonl"))}
+  assert kept[0].name == f"vanilla-T0.0-{first.pop()}.jsonl"
+  for t in ("T0.0", "T1.0"):
+    pld, first_run = summary["methods"]["pld"][t], json.loads((out / "summary.json").read_text())
+    assert pld["same_run"] is True
+    assert pld["speedup"] == first_run["methods"]["pld"][t]["speedup"]
+  assert "vanilla timed in another run" not in (results / "tiny" / "table.md").read_text()
+  # a third run that times skip2 again keeps the second run's vanilla as well
+  config.write_text(config.read_text().replace("gamma: 3}", "gamma: 2}"))
+  summary = experiment.run_experiment(str(config), progress=False)
+  assert len(list((results / "tiny" / "baselines").glob("vanilla-T0.0-*.jsonl"))) == 2
+  assert all(summary["methods"][m][t]["same_run"] for m in summary["methods"] for t in ("T0.0", "T1.0"))
   (results / "tiny" / "summary.json").write_text("{not json")
   assert main(["table", str(results / "tiny")]) == 2
   assert "unreadable summary" in capsys.readouterr().err
   (results / "tiny" / "summary.json").write_text('{"rows": []}')
   assert main(["table", str(results / "tiny")]) == 2
   assert "not an eagle-jax run summary" in capsys.readouterr().err
+  for bad in ('{"name": "x", "methods": {}, "settings": {}}',
+              '{"name": "x", "methods": [1], "settings": {"temperatures": [0.0]}}'):
+    (results / "tiny" / "summary.json").write_text(bad)
+    assert main(["table", str(results / "tiny")]) == 2
+    err = capsys.readouterr().err
+    assert "malformed run summary" in err and len(err.strip().splitlines()) == 1
 
 
 def test_table_command_markdown_and_latex(finished, capsys):

@@ -42,6 +42,10 @@ class DrafterOptions:
                  "total_tokens"):
       if getattr(self, name) < 0:
         raise EagleJaxError(f"{FLAGS[name]} must be >= 0, got {getattr(self, name)}")
+    for name in ("draft_vocab", "head_bits"):  # -1 = the checkpoint's tuned value
+      if getattr(self, name) < -1:
+        raise EagleJaxError(f"{FLAGS[name]} must be >= 0 (or -1: the checkpoint's tuned value), "
+                            f"got {getattr(self, name)}")
 
 
 # the command-line flag of each option (``eagle-jax generate``, ``bench spec``)
@@ -72,6 +76,11 @@ def check_options(name: str, options: DrafterOptions) -> None:
   if unused:
     raise EagleJaxError(f"{', '.join(FLAGS[u] for u in unused)}: not used by --drafter {name} "
                         f"(it reads: {', '.join(FLAGS[u] for u in USES[name]) or 'no options'})")
+  if "runs_dir" in set_ and "draft_model" in set_:
+    raise EagleJaxError("--runs-dir: not used with --drafter-ckpt (the checkpoint is given)")
+  if name in ("eagle1", "medusa") and "gamma" in set_ and options.tree == "default":
+    raise EagleJaxError(f"--tree default: not used with --gamma (--drafter {name} then drafts "
+                        "a chain)")
   if name in ("eagle2", "eagle3") and "gamma" in set_ and options.tree != "default":
     raise EagleJaxError(f"--gamma: --drafter {name} drafts a dynamic tree; a chain needs "
                         "--tree default or --drafter eagle1")
