@@ -178,7 +178,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                  "their rows of the target's LM head (0 = whole vocabulary; default: eagle2's "
                  "tuned value, else whole)")
   p.add_argument("--head-bits", type=int, default=-1, choices=(-1, 0, 8),
-                 help="eagle1/2/3, medusa: the head's weights (Medusa: its output layers) as 8-bit "
+                 help="eagle1/2/3, medusa, draft-model: the drafter's weights (Medusa: its output "
+                 "layers; a draft model: every float32 matrix and its tied embedding) as 8-bit "
                  "blocks (8) or float32 as trained (0); default: the tuned value (eagle2, eagle3, "
                  "medusa), else 0")
   p.add_argument("--self-draft-layers", type=int, default=0,

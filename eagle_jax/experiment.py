@@ -80,7 +80,7 @@ class MethodConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   prompts: str = "mtbench"  # "mtbench" or a JSONL file ({"turns": [...]} or {"prompt": ...})
-  num_questions: int = 80  # spread evenly over categories; 0 = all
+  num_questions: int = 0  # spread evenly over categories; 0 = all
   categories: tuple[str, ...] = ()
   turns: tuple[int, ...] = (1,)  # 1 and/or 2
   temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -134,8 +134,15 @@ def ensure_checkpoint(method: MethodConfig, cfg: ExperimentConfig, progress: boo
   if not method.train:
     return find_checkpoint(method.kind, cfg.runs_dir, cfg.model)
   from eagle_jax.pipeline import TrainConfig, run_finished, run_training
+  from eagle_jax.registry import model_slug
 
-  overrides = (f"runs_dir={cfg.runs_dir}", f"model={cfg.model}") + tuple(method.train_overrides)
+  overrides = (f"runs_dir={cfg.runs_dir}",) + tuple(method.train_overrides)
+  own = load_config(TrainConfig, method.train, overrides)
+  if own.model != cfg.model and not any(o.startswith("name=") for o in method.train_overrides):
+    # the training config's run folder holds its own model's drafter: another target's goes
+    # beside it, named after that target
+    overrides += (f"name={own.name}-{model_slug(cfg.model)}",)
+  overrides += (f"model={cfg.model}",)
   tcfg = load_config(TrainConfig, method.train, overrides)
   final = os.path.join(tcfg.runs_dir, tcfg.name, "final")
   if not run_finished(tcfg):  # resumes an interrupted run (its training or its tuning)
@@ -160,7 +167,12 @@ def questions_for(ev: EvalConfig):
   from eagle_jax.data import load_jsonl_prompts, load_mtbench, pick_questions
 
   qs = load_mtbench() if ev.prompts == "mtbench" else load_jsonl_prompts(ev.prompts)
-  return pick_questions(qs, ev.num_questions, ev.categories)
+  picked = pick_questions(qs, ev.num_questions, ev.categories)
+  pool = sum(not ev.categories or q.category in ev.categories for q in qs)
+  if len(picked) < pool:
+    print(f"[eval] {len(picked)} of the {pool} prompts in {ev.prompts} "
+          f"(eval.num_questions={ev.num_questions}; 0 = all)", flush=True)
+  return picked
 
 
 # -- evaluation --------------------------------------------------------------------------------

@@ -101,6 +101,17 @@ def _converted_folder(gguf_path: str, name: str) -> str:
     return convert_gguf(gguf_path, out)
 
 
+def model_slug(name_or_path: str) -> str:
+  """A short folder-safe label of a model: a registered name itself, else the file or folder
+  name and a digest of its absolute path (two checkpoints named alike stay apart)."""
+  if name_or_path in REGISTRY:
+    return name_or_path
+  path = os.path.abspath(name_or_path)
+  digest = hashlib.sha1(path.encode()).hexdigest()[:10]
+  stem = os.path.basename(os.path.normpath(path))
+  return f"{stem[:-len('.gguf')] if stem.endswith('.gguf') else stem}-{digest}"
+
+
 def resolve(name_or_path: str) -> str:
   """Returns a local Hugging Face folder for a registered name, a folder or a .gguf file."""
   if name_or_path in REGISTRY:
@@ -108,9 +119,7 @@ def resolve(name_or_path: str) -> str:
   if name_or_path.endswith(".gguf"):
     if not os.path.isfile(name_or_path):
       raise EagleJaxError(f"GGUF file not found: {name_or_path}")
-    digest = hashlib.sha1(os.path.abspath(name_or_path).encode()).hexdigest()[:10]
-    stem = os.path.splitext(os.path.basename(name_or_path))[0]
-    return _converted_folder(name_or_path, f"{stem}-{digest}")
+    return _converted_folder(name_or_path, model_slug(name_or_path))
   if os.path.isdir(name_or_path):
     return name_or_path
   raise EagleJaxError(

@@ -243,6 +243,10 @@ def test_method_spec_sets_drafter_options_per_row():
     method_spec("eagle2:top_k=many", base)
   with pytest.raises(EagleJaxError, match="unknown drafter 'eagle9'"):
     method_spec("eagle9:top_k=2", base)
+  with pytest.raises(EagleJaxError, match="'eagle3:draft_vocab=8192': draft_vocab not used by eagle3"):
+    method_spec("eagle3:draft_vocab=8192", base)
+  with pytest.raises(EagleJaxError, match="top_k not used by pld"):
+    method_spec("pld:top_k=4", base)
 
 
 def test_dynamic_tree_depth_capped_at_its_node_budget(tiny):

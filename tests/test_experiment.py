@@ -201,6 +201,19 @@ def test_jsonl_prompts(tmp_path):
   assert len(records) == 3  # two first turns and one second turn
 
 
+def test_a_prompt_file_is_used_whole_unless_cut_and_a_cut_is_announced(tmp_path, capsys):
+  from eagle_jax.experiment import EvalConfig, questions_for
+
+  prompts = tmp_path / "mine.jsonl"
+  prompts.write_text("".join(f'{{"prompt": "Say {i}.", "category": "c{i % 3}"}}\n' for i in range(120)))
+  assert len(questions_for(EvalConfig(prompts=str(prompts)))) == 120  # default: all
+  assert "[eval]" not in capsys.readouterr().out
+  assert len(questions_for(EvalConfig(prompts=str(prompts), num_questions=80))) == 80
+  assert "[eval] 80 of the 120 prompts in" in capsys.readouterr().out
+  assert len(questions_for(EvalConfig(prompts=str(prompts), categories=("c1",)))) == 40
+  assert "[eval]" not in capsys.readouterr().out
+
+
 def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
   from eagle_jax.data import Question
 
@@ -261,3 +274,26 @@ def test_table_prediction_reads_the_runs_costs():
   assert _predicted(recs, old, "pld") == round(7 * 10.0 / (24 + 24 + 10 + 10 + 4 * 0.5), 3)
   assert _predicted([{"accepted": [], "drafted_depth": []}], costs, "pld") is None
   assert _predicted(recs, costs, "vanilla") is None
+
+
+def test_a_drafter_for_another_target_trains_in_its_own_run_folder(tmp_path, monkeypatch):
+  """A training config names its run after itself; trained for another target (``model=``),
+  the run goes to a folder named after that target, so neither run blocks the other."""
+  from eagle_jax import pipeline
+  from eagle_jax.experiment import MethodConfig, ensure_checkpoint
+
+  trained = []
+  monkeypatch.setattr(pipeline, "run_finished", lambda tcfg: False)
+  monkeypatch.setattr(pipeline, "run_training", lambda path, overrides, progress: trained.append(overrides))
+  train = os.path.join(ROOT, "configs", "train", "eagle1-demo.yaml")
+  method = MethodConfig(name="eagle1", train=train)
+  base = dict(name="x", methods=(MethodConfig(name="vanilla"), method), runs_dir=str(tmp_path))
+  own = ensure_checkpoint(method, ExperimentConfig(**base), progress=False)
+  assert own == os.path.join(str(tmp_path), "eagle1-demo", "final")
+  folder = tmp_path / "my-llama"
+  other = ensure_checkpoint(method, ExperimentConfig(**base, model=str(folder)), progress=False)
+  assert os.path.basename(os.path.dirname(other)).startswith("eagle1-demo-my-llama-")
+  assert f"model={folder}" in trained[1] and f"name={os.path.basename(os.path.dirname(other))}" in trained[1]
+  named = MethodConfig(name="eagle1", train=train, train_overrides=("name=mine",))
+  assert ensure_checkpoint(named, ExperimentConfig(**dict(base, methods=(base["methods"][0], named)),
+                                                   model=str(folder)), progress=False).endswith("mine/final")

@@ -81,7 +81,7 @@ def test_alignment_needs_trained_drafters(sweeps, capsys, tmp_path):
   assert sweeps.main(argv + TINY) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1
-  assert err.startswith("sweeps.py: error: no trained eagle1 drafter in")
+  assert err.startswith("sweeps.py: error: no trained eagle1 drafter for smollm2-135m-instruct in")
   assert not (tmp_path / "results").exists()
 
 

@@ -79,7 +79,8 @@ def test_train_then_generate_with_medusa_and_draft_model(trained, capsys):
                 ["--drafter", "draft-model", "--drafter-ckpt", str(runs / "tiny-draft-model")],  # a run folder
                 ["--drafter", "draft-model", "--gamma", "2", "--drafter-ckpt",
                  str(runs / "tiny-draft-model" / "final")]):
-    got = _generate(capsys, *flags, "--runs-dir", str(runs))
+    where = [] if "--drafter-ckpt" in flags else ["--runs-dir", str(runs)]
+    got = _generate(capsys, *flags, *where)
     assert got["token_ids"] == vanilla["token_ids"], flags
     assert got["tau"] >= 1.0
 

@@ -110,6 +110,9 @@ def method_spec(spec: str, options: DrafterOptions) -> tuple[str, DrafterOptions
       raise EagleJaxError(f"method {spec!r}: {key} takes an integer, got {value!r}") from None
   if name not in DRAFTERS:
     raise EagleJaxError(f"unknown drafter {name!r} in method {spec!r}; choose from: {', '.join(DRAFTERS)}")
+  if unused := [k for k in changes if k not in USES[name]]:
+    raise EagleJaxError(f"method {spec!r}: {', '.join(unused)} not used by {name} (it reads: "
+                        f"{', '.join(USES[name]) or 'no options'})")
   return name, dataclasses.replace(options, **changes)
 
 
@@ -181,8 +184,9 @@ def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
       if best is None or key > best[0]:
         best = (key, os.path.join(runs_dir, run, "final"))
   if best is None:
-    raise EagleJaxError(f"no trained {want} drafter in {runs_dir}/ (train one with: eagle-jax train "
-                        f"configs/train/{want}-quick.yaml) and no --drafter-ckpt given")
+    raise EagleJaxError(f"no trained {want} drafter{'' if not model else ' for ' + model} in "
+                        f"{runs_dir}/ (train one with: eagle-jax train configs/train/{want}-quick.yaml"
+                        f"{'' if not model else ' model=' + model}) and no checkpoint given")
   return best[1]
 
 
