@@ -242,8 +242,11 @@ def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
 
   timed = []
 
-  def fake_fastest_ms(fn, state, tokens, cache, chain, repeats=10):  # n ms per forward, chained
-    if chain == 1:
+  order = []
+
+  def fake_fastest_ms(fn, state, tokens, cache, chain, repeats=10, warmup=2):  # n ms per forward
+    order.append((tokens.shape[1], int(chain)))
+    if chain == 1 and warmup:  # a size's first call (compiles and warms up)
       timed.append(tokens.shape[1])
     return float(tokens.shape[1] * chain)
 
@@ -255,6 +258,10 @@ def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
   assert timed == [1, 2, 4]  # same architecture, other weights: size 2 is not timed again
   costs.verify_cost_curve(tiny(num_layers=3), sizes=(2,), repeats=1)
   assert timed == [1, 2, 4, 2]  # another architecture is
+  order.clear()
+  assert costs.verify_cost_curve(tiny(num_layers=4), sizes=(1, 2), repeats=2) == {1: 1.0, 2: 2.0}
+  round_ = [(1, 1), (1, costs.LONG), (2, 1), (2, costs.LONG)]
+  assert order == round_ + round_  # every size and chain once per round
 
 
 def test_short_cache_below_the_padded_prompt_width(tiny):
