@@ -32,6 +32,7 @@ import numpy as np
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.features import segment_mask
+from eagle_jax.train import sample_positions
 
 
 def reply_token_counts(shards, vocab: int) -> np.ndarray:
@@ -66,6 +67,7 @@ class EagleTask:
   reg_weight: float = 1.0
   step_decay: float = 0.8
   feature_noise: float = 0.2
+  positions_per_row: int = 0  # training: LM-head (cross entropy) positions sampled per row; 0 = all
   d2t: np.ndarray | None = None
 
   @property
@@ -119,21 +121,39 @@ def eagle_loss(head: EagleHead, frozen: Frozen, batch, key, *, steps, train, tas
   if v3:
     in_vocab = jnp.zeros((frozen.lm_head_VxD.shape[0],), bool).at[head.d2t[...]].set(True)
     sub_head = frozen.lm_head_VxD[head.d2t[...]]
+  valid = [(_shift(seg, 1 + j) == seg) & (seg > 0) & _shift(batch["loss_mask"], 1 + j, False)
+           for j in range(steps)]
+  # The vocabulary-sized products (the target's distribution and the head's logits, forward and
+  # backward) cost several times the head's own layer: in training they run only at
+  # ``positions_per_row`` positions per row drawn among step 0's valid ones, each weighted by
+  # the inverse of its chance of being drawn (see sample_positions); the feature regression
+  # and the head's layer still cover every position.
+  idx_BxN, w0_BxN = sample_positions(jax.random.fold_in(key, 1), valid[0], task.positions_per_row if train else 0)
+  row_scale_Bx1 = w0_BxN.max(1, keepdims=True)
+  take = lambda x: jnp.take_along_axis(x, idx_BxN.reshape(idx_BxN.shape + (1,) * (x.ndim - 2)), 1)
   total, metrics = 0.0, {}
-  accept_run, chain_ok = jnp.ones((b, t), bool), jnp.zeros((b, t), jnp.float32)
-  valid_all = jnp.ones((b, t), bool)
+  accept_run = jnp.ones(idx_BxN.shape, bool)
+  chain_ok = jnp.zeros(idx_BxN.shape, jnp.float32)
+  valid_all = jnp.ones(idx_BxN.shape, bool)
   for j, out in enumerate(outs):
-    valid = (_shift(seg, 1 + j) == seg) & (seg > 0) & _shift(batch["loss_mask"], 1 + j, False)
-    valid_all = valid_all & valid  # chain proxy: an out-of-vocabulary target is a miss, not a skip
-    logits = head.logits(out, frozen)
     h_u = jax.lax.stop_gradient(_shift(hidden, 1 + j))
-    am_u = _shift(batch["target_argmax"], 1 + j)
+    if j == 0 and not v3:
+      w_all = valid[0].astype(jnp.float32)
+      reg = jnp.abs(out - h_u)
+      reg = jnp.where(reg < 1.0, 0.5 * reg ** 2, reg - 0.5).mean(-1)
+      reg = (reg * w_all).sum() / jnp.maximum(w_all.sum(), 1.0)
+      metrics["reg_0"] = reg
+      total = total + task.reg_weight * reg
+    valid_j = take(valid[j])
+    valid_all = valid_all & valid_j  # chain proxy: an out-of-vocabulary target is a miss, not a skip
+    logits = head.logits(take(out), frozen)
+    am_u = take(_shift(batch["target_argmax"], 1 + j))
     if v3:
-      p = jax.nn.softmax(jnp.einsum("btd,vd->btv", h_u, sub_head).astype(jnp.float32), -1)
-      valid = valid & in_vocab[am_u]
+      p = jax.nn.softmax(jnp.einsum("btd,vd->btv", take(h_u), sub_head).astype(jnp.float32), -1)
+      valid_j = valid_j & in_vocab[am_u]
     else:
-      p = jax.nn.softmax(frozen.target_logits(h_u), -1)
-    w = valid.astype(jnp.float32)
+      p = jax.nn.softmax(frozen.target_logits(take(h_u)), -1)
+    w = valid_j * row_scale_Bx1
     denom = jnp.maximum(w.sum(), 1.0)
     ce = -(p * jax.nn.log_softmax(logits, -1)).sum(-1)
     ce = (ce * w).sum() / denom
@@ -143,15 +163,11 @@ def eagle_loss(head: EagleHead, frozen: Frozen, batch, key, *, steps, train, tas
     if v3 and j < task.ttt_steps:
       total = total + task.step_decay ** j * ce
     elif j == 0 and not v3:
-      reg = jnp.abs(out - h_u)
-      reg = jnp.where(reg < 1.0, 0.5 * reg ** 2, reg - 0.5).mean(-1)
-      reg = (reg * w).sum() / denom
-      metrics["reg_0"] = reg
-      total = total + task.reg_weight * reg + task.ce_weight * ce
+      total = total + task.ce_weight * ce
     # greedy chain proxy: step j's input token must be what greedy decoding would have fed
-    follows = (_shift(tokens, 1 + j) == _shift(batch["target_argmax"], j)) if j else True
+    follows = take(_shift(tokens, 1 + j) == _shift(batch["target_argmax"], j)) if j else True
     accept_run = accept_run & hit & follows
     chain_ok = chain_ok + accept_run
-  wa = valid_all.astype(jnp.float32)
+  wa = valid_all * row_scale_Bx1
   metrics["tau_proxy"] = 1.0 + (chain_ok * wa).sum() / jnp.maximum(wa.sum(), 1.0)
   return total, metrics

@@ -20,7 +20,7 @@ from typing import Literal
 import numpy as np
 
 from eagle_jax.distill import DraftModelConfig
-from eagle_jax.configs import dump_config, load_config, read_yaml, to_dict
+from eagle_jax.configs import dump_config, from_dict, load_config, read_yaml, to_dict
 from eagle_jax.costs import verify_cost_up_to
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.exported import (export_drafter, final_folder, load_drafter, load_head,
@@ -74,8 +74,15 @@ class EagleConfig:
   reg_weight: float = 1.0
   step_decay: float = 0.8
   feature_noise: float = 0.2
+  # training: positions per row where the cross entropy (the vocabulary-sized products) is
+  # evaluated, drawn among the valid ones; 0 = every position. The feature regression and the
+  # head's layer always cover every position.
+  positions_per_row: int = 0
 
   def validate(self):
+    if self.positions_per_row < 0:
+      raise EagleJaxError(f"eagle.positions_per_row must be >= 0 (0 = every position), got "
+                          f"{self.positions_per_row}")
     if self.ttt_steps < 1 or self.eval_steps < 1:
       raise EagleJaxError(f"eagle.ttt_steps and eagle.eval_steps must be >= 1, got "
                           f"{self.ttt_steps} and {self.eval_steps}")
@@ -249,7 +256,8 @@ def build_task(cfg: TrainConfig, lm, train_shards, token_counts=None):
     d2t = top_tokens(token_counts, e.draft_vocab, always=lm.tokenizer.eos_token_ids)
   return EagleTask(config=head_cfg, frozen=Frozen.of(lm.model), ttt_steps=e.ttt_steps,
                    eval_steps=e.eval_steps, ce_weight=e.ce_weight, reg_weight=e.reg_weight,
-                   step_decay=e.step_decay, feature_noise=e.feature_noise, d2t=d2t)
+                   step_decay=e.step_decay, feature_noise=e.feature_noise,
+                   positions_per_row=e.positions_per_row, d2t=d2t)
 
 
 def check_same_run(cfg: TrainConfig, run_dir: str) -> None:
@@ -258,6 +266,10 @@ def check_same_run(cfg: TrainConfig, run_dir: str) -> None:
   if not os.path.isfile(saved):
     return
   before = read_yaml(saved)  # compare what decides the trained weights, as plain data
+  try:  # a key added to the config since that run was saved takes its default there
+    before = to_dict(from_dict(TrainConfig, before, where=saved))
+  except EagleJaxError:
+    pass
   same = lambda d: ({k: d.get(k) for k in ("drafter", "model", "data", "features", "optim",
                                            {"eagle1": "eagle", "eagle3": "eagle"}.get(
                                                cfg.drafter, cfg.drafter.replace("-", "_")))},

@@ -159,6 +159,37 @@ def test_sample_positions_weights_estimate_the_mean_over_every_valid_position():
   assert idx.shape == (3, 32) and jnp.array_equal(w, valid.astype(jnp.float32))
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_loss_on_sampled_positions_estimates_the_loss_on_every_position(tmp_path, version):
+  import dataclasses
+
+  from flax import nnx
+
+  from eagle_jax.eagle_train import eagle_loss
+
+  feats = str(tmp_path / "features")
+  tiny_training.make_features(feats)
+  full = dataclasses.replace(tiny_training.task(version), feature_noise=0.0)
+  sampled = dataclasses.replace(full, positions_per_row=6)
+  head = full.init_module(nnx.Rngs(0))
+  rows = FeatureShards(feats).rows(range(4), full.keys)
+  batch = {k: jnp.asarray(v) for k, v in rows.items()}
+  valid = (batch["segments"] > 0) & batch["loss_mask"]
+  assert int(valid.sum(1).min()) > 6  # every row has more valid positions than are drawn
+  loss = lambda task, key: eagle_loss(head, full.frozen, batch, key, steps=full.ttt_steps,
+                                      train=True, task=task)
+  total_all, m_all = loss(full, jax.random.key(0))
+  ests = [loss(sampled, jax.random.key(i)) for i in range(120)]
+  for j in range(full.ttt_steps):
+    ce = [float(m[f"ce_{j}"]) for _, m in ests]
+    assert np.std(ce) > 0  # the draws differ
+    assert abs(np.mean(ce) - float(m_all[f"ce_{j}"])) < 0.02 * float(m_all[f"ce_{j}"]), j
+  if version == 1:  # the feature regression covers every position whatever is drawn
+    for _, m in ests[:5]:
+      assert float(m["reg_0"]) == pytest.approx(float(m_all["reg_0"]), rel=1e-6)
+  assert abs(np.mean([float(t) for t, _ in ests]) - float(total_all)) < 0.02 * float(total_all)
+
+
 def test_heldout_smaller_than_one_batch_is_refused_before_training(tmp_path):
   import dataclasses
 
