@@ -248,6 +248,16 @@ def test_a_run_killed_while_tuning_is_not_finished(tmp_path):
   changed = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1.0))
   with pytest.raises(EagleJaxError, match="different config"):
     run_finished(changed)
+  # a run saved before a config key existed: the key counts as its default there
+  import yaml
+
+  saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+  del saved["eagle"]["positions_per_row"]
+  (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump(saved))
+  assert run_finished(cfg)
+  sampled = dataclasses.replace(cfg, eagle=dataclasses.replace(cfg.eagle, positions_per_row=128))
+  with pytest.raises(EagleJaxError, match="different config"):
+    run_finished(sampled)
 
 
 def test_no_prompt_with_the_asked_turns_is_a_one_line_error(tmp_path, capsys):
