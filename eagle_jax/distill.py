@@ -30,7 +30,7 @@ from eagle_jax.errors import EagleJaxError
 from eagle_jax.features import segment_mask
 from eagle_jax.model import KVCache, Transformer
 from eagle_jax.sampling import greedy_token
-from eagle_jax.train import sample_positions
+from eagle_jax.train import at_positions, sample_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +164,8 @@ def distill_loss(draft: Transformer, frozen: Frozen, batch, key, *, train: bool,
   teacher_BxTxD = jax.lax.stop_gradient(batch["hidden"])
   if train:
     idx_BxN, w_BxN = sample_positions(key, valid_BxT, positions_per_row)
-    h_BxNxD = jnp.take_along_axis(h_BxTxD, idx_BxN[..., None], 1)
-    teacher_BxNxD = jnp.take_along_axis(teacher_BxTxD, idx_BxN[..., None], 1)
-    am_BxN = jnp.take_along_axis(am, idx_BxN, 1)
+    h_BxNxD, teacher_BxNxD, am_BxN = (at_positions(x, idx_BxN)
+                                      for x in (h_BxTxD, teacher_BxTxD, am))
   else:
     h_BxNxD, teacher_BxNxD, am_BxN = h_BxTxD, teacher_BxTxD, am
     w_BxN = valid_BxT.astype(jnp.float32)

@@ -32,7 +32,7 @@ import numpy as np
 from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.features import segment_mask
-from eagle_jax.train import sample_positions
+from eagle_jax.train import at_positions, sample_positions
 
 
 def reply_token_counts(shards, vocab: int) -> np.ndarray:
@@ -130,20 +130,20 @@ def eagle_loss(head: EagleHead, frozen: Frozen, batch, key, *, steps, train, tas
   # and the head's layer still cover every position.
   idx_BxN, w0_BxN = sample_positions(jax.random.fold_in(key, 1), valid[0], task.positions_per_row if train else 0)
   row_scale_Bx1 = w0_BxN.max(1, keepdims=True)
-  take = lambda x: jnp.take_along_axis(x, idx_BxN.reshape(idx_BxN.shape + (1,) * (x.ndim - 2)), 1)
+  take = lambda x: at_positions(x, idx_BxN)
   total, metrics = 0.0, {}
+  if not v3:  # EAGLE-1's feature regression, step 0 only, at every valid position
+    w_all = valid[0].astype(jnp.float32)
+    reg = jnp.abs(outs[0] - jax.lax.stop_gradient(_shift(hidden, 1)))
+    reg = jnp.where(reg < 1.0, 0.5 * reg ** 2, reg - 0.5).mean(-1)
+    reg = (reg * w_all).sum() / jnp.maximum(w_all.sum(), 1.0)
+    metrics["reg_0"] = reg
+    total = total + task.reg_weight * reg
   accept_run = jnp.ones(idx_BxN.shape, bool)
   chain_ok = jnp.zeros(idx_BxN.shape, jnp.float32)
   valid_all = jnp.ones(idx_BxN.shape, bool)
   for j, out in enumerate(outs):
     h_u = jax.lax.stop_gradient(_shift(hidden, 1 + j))
-    if j == 0 and not v3:
-      w_all = valid[0].astype(jnp.float32)
-      reg = jnp.abs(out - h_u)
-      reg = jnp.where(reg < 1.0, 0.5 * reg ** 2, reg - 0.5).mean(-1)
-      reg = (reg * w_all).sum() / jnp.maximum(w_all.sum(), 1.0)
-      metrics["reg_0"] = reg
-      total = total + task.reg_weight * reg
     valid_j = take(valid[j])
     valid_all = valid_all & valid_j  # chain proxy: an out-of-vocabulary target is a miss, not a skip
     logits = head.logits(take(out), frozen)

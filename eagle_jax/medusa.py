@@ -34,7 +34,7 @@ from flax import nnx
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.kernels import linear
 from eagle_jax.model import WeightBlocks, blocks_of, round_to_8bit
-from eagle_jax.train import sample_positions
+from eagle_jax.train import at_positions, sample_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +140,8 @@ class MedusaTask:
              for k in range(k_heads)]
     idx_BxN, w0_BxN = sample_positions(key, valid[0], self.positions_per_row if train else self.eval_positions)
     row_scale_Bx1 = w0_BxN.max(1, keepdims=True)  # each pick's inverse chance of being drawn
-    take = lambda x: jnp.take_along_axis(x, idx_BxN, 1)
-    logits_BxNxKxV = heads(jnp.take_along_axis(batch["hidden"], idx_BxN[..., None], 1))
+    take = lambda x: at_positions(x, idx_BxN)
+    logits_BxNxKxV = heads(take(batch["hidden"]))
     total, metrics = 0.0, {}
     run_B = jnp.ones(idx_BxN.shape, bool)  # greedy chain: every head so far hit
     chain = jnp.zeros(idx_BxN.shape, jnp.float32)

@@ -104,6 +104,11 @@ def sample_positions(key: jax.Array, valid_BxT: jax.Array, n: int) -> tuple[jax.
   return idx_BxN, picked_BxN * scale_Bx1
 
 
+def at_positions(x_BxTx: jax.Array, idx_BxN: jax.Array) -> jax.Array:
+  """``x[b, idx[b, n], ...]``: each row's values at its positions from :func:`sample_positions`."""
+  return jnp.take_along_axis(x_BxTx, idx_BxN.reshape(idx_BxN.shape + (1,) * (x_BxTx.ndim - 2)), 1)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
   warm = max(min(cfg.warmup_steps, total_steps - 1), 0)
   decay_steps = max(total_steps - warm, 1)
