@@ -80,10 +80,11 @@ def tune_budget(head, target, prompts, *, curve: dict[int, float], top_k: int = 
   best, table = None, {}
   for size, ids in {0: None, **(draft_vocabs or {})}.items():
     for k in (top_ks or (top_k,)):
+      shallow_ms = {}  # a budget of n < depth nodes drafts n levels whatever the depth: time it once
       for depth in depths:
         key = f"top_k={k},depth={depth}" + (f",draft_vocab={size}" if size else "")
         table[key] = _tune_setting(head, target, prompts, curve, k, depth, max_nodes,
-                                   max_new_tokens, ids)
+                                   max_new_tokens, ids, shallow_ms)
         top = max(table[key]["rows"], key=lambda r: r["tokens_per_s"])
         if best is None or top["tokens_per_s"] > best["tokens_per_s"]:
           best = dict(top, depth=depth, top_k=k, draft_vocab=size)
@@ -98,8 +99,14 @@ def tune_budget(head, target, prompts, *, curve: dict[int, float], top_k: int = 
                     "from best-first slots; cost = verify c(n+1) + timed draft propose/update"}
 
 
-def _tune_setting(head, target, prompts, curve, k, depth, max_nodes, max_new_tokens, ids) -> dict:
-  """Predicted tokens/s at every budget n for one (top_k, depth, draft vocabulary)."""
+def _tune_setting(head, target, prompts, curve, k, depth, max_nodes, max_new_tokens, ids,
+                  shallow_ms: dict) -> dict:
+  """Predicted tokens/s at every budget n for one (top_k, depth, draft vocabulary).
+
+  ``shallow_ms`` caches the draft cost of budgets ``n`` below the depth, shared by the depths of
+  one (top_k, draft vocabulary): such a drafter is clamped to ``n`` levels, the same program
+  whatever the depth asked for.
+  """
   pool = k + (depth - 1) * k ** 2
   n_max = min(max_nodes, pool, max(curve) - 1)
   drafter, dparams = EagleDrafter.create(head, target, None, draft_ids=ids, top_k=k, depth=depth,
@@ -112,8 +119,10 @@ def _tune_setting(head, target, prompts, curve, k, depth, max_nodes, max_new_tok
   # drafter that will run, not the full-depth one
   shallow = {}
   for n in range(1, min(depth, n_max + 1)):
-    d, dp = EagleDrafter.create(head, target, None, draft_ids=ids, top_k=k, depth=depth, total_tokens=n)
-    shallow[n] = draft_cost_ms(d, dp, target, prompts[0])
+    if n not in shallow_ms:
+      d, dp = EagleDrafter.create(head, target, None, draft_ids=ids, top_k=k, depth=n, total_tokens=n)
+      shallow_ms[n] = draft_cost_ms(d, dp, target, prompts[0])
+    shallow[n] = shallow_ms[n]
   xs = sorted(curve)
   rows = []
   for n in range(1, n_max + 1):

@@ -258,3 +258,27 @@ def test_dynamic_tree_depth_capped_at_its_node_budget(tiny):
   assert drafter.depth == drafter.max_depth == 2
   drafter, _ = EagleDrafter.create(head, target, None, top_k=4, depth=3, total_tokens=10)
   assert drafter.depth == 3
+
+
+def test_budget_tuner_times_each_drafter_once(tiny, monkeypatch):
+  """A budget of n nodes below the depth drafts n levels whatever depth it was asked for, so
+  the tuner times that drafter once per (top_k, draft vocabulary) and gives every depth the
+  same figure; each (top_k, depth) also times its full-budget drafter."""
+  import eagle_jax.budget as budget
+
+  target = tiny()
+  head = make_head(target.config, 1)
+  timed, real = [], budget.draft_cost_ms
+
+  def counting(drafter, dparams, target, prompt, repeats=10):
+    timed.append((drafter.top_k, drafter.depth, drafter.total_tokens))
+    return real(drafter, dparams, target, prompt, repeats=1)
+
+  monkeypatch.setattr(budget, "draft_cost_ms", counting)
+  curve = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4}
+  result = budget.tune_budget(head, target, PROMPTS[:1], curve=curve, top_ks=(2,), depths=(2, 3),
+                              max_nodes=7, max_new_tokens=6)
+  assert sorted(timed) == [(2, 1, 1), (2, 2, 2), (2, 2, 6), (2, 3, 7)]
+  by = result["by_setting"]
+  assert by["top_k=2,depth=2"]["draft_ms_by_budget"][1] == by["top_k=2,depth=3"]["draft_ms_by_budget"][1]
+  assert set(by["top_k=2,depth=3"]["draft_ms_by_budget"]) == {1, 2}
