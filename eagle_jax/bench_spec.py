@@ -4,19 +4,22 @@ Reports per method tokens/s, speedup over our vanilla decode, tau (tokens per ta
 bonus included), n-alpha, per-category figures, whether greedy outputs equal vanilla's, the
 measured verify-cost curve (ms per target pass for 1..64 tree nodes) and the speedup predicted
 from measured acceptance and cost (:func:`eagle_jax.costs.predict_speedup`: for chains the
-i.i.d. formula E = (1 - a^(g+1)) / (1 - a) at the measured a; for trees the measured tau).
+i.i.d. formula E = (1 - a^(g+1)) / (1 - a) at the measured a; for trees the measured tau), also
+with the draft costing nothing, beside the ceiling a perfect free drafter would reach on the
+curve (:func:`eagle_jax.costs.speedup_ceiling`).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import time
 
 import jax
 import numpy as np
 
 from eagle_jax.budget import draft_cost_ms
-from eagle_jax.costs import predict_speedup, sizes_up_to, verify_cost_curve
+from eagle_jax.costs import predict_speedup, sizes_up_to, speedup_ceiling, verify_cost_curve
 from eagle_jax.data import load_mtbench, pick_questions
 from eagle_jax.drafters.factory import (EAGLE_VERSION, DrafterOptions, find_checkpoint, make_drafter,
                                         method_spec)
@@ -115,9 +118,11 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
       drafted = [g.drafted_depth[0] for g in gens]
       gamma = drafter.max_depth
       draft_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
-      predicted, alpha = predict_speedup(
-          [a for r in accepted for a in r], [d for r in drafted for d in r], curve,
-          widths=verify_widths(drafter), draft_ms=draft_ms, chain=is_chain(drafter))
+      predict = functools.partial(
+          predict_speedup, [a for r in accepted for a in r], [d for r in drafted for d in r], curve,
+          widths=verify_widths(drafter), chain=is_chain(drafter))
+      predicted, alpha = predict(draft_ms=draft_ms)
+      free_draft, _ = predict(draft_ms=0.0)  # the same acceptance, drafting at no cost
       if kind in EAGLE_VERSION or kind in ("medusa", "draft-model"):
         row["checkpoint"] = opts.draft_model or find_checkpoint(kind, opts.runs_dir, model)
       tree = getattr(drafter, "tree", "chain")
@@ -141,6 +146,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
           "n_alpha": [None if a != a else round(a, 3) for a in acceptance_rates(accepted, drafted, gamma)],
           "alpha_iid": None if alpha is None else round(alpha, 3),
           "predicted_speedup": None if predicted is None else round(predicted, 3),
+          "predicted_speedup_free_draft": None if free_draft is None else round(free_draft, 3),
           "draft_ms": round(draft_ms, 2),
           "greedy_matches_vanilla": None if vanilla_tokens is None or temperature > 0 else sum(
               a == b for a, b in zip(tokens, vanilla_tokens)),
@@ -151,7 +157,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
               for c, gs in cats.items()},
       })
     results[name] = row
-  out = {"methods": results, "verify_cost_ms": curve}
+  out = {"methods": results, "verify_cost_ms": curve, "speedup_ceiling": speedup_ceiling(curve)}
   if with_hf:
     out["transformers_tok_s"] = _hf_prompt_lookup(lm.folder, prompts, max_new_tokens)
   out["settings"] = {
@@ -165,5 +171,9 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
       "predicted_speedup": "eagle_jax.costs.predict_speedup: tokens per step (chains: the i.i.d. "
       "formula at the measured alpha; trees: measured) over c(verified width + 1) + timed draft "
       "update + propose, a step that drafted nothing costing c(1) + the draft, against c(1) per token",
+      "predicted_speedup_free_draft": "the same with a draft costing nothing: what the method's "
+      "acceptance allows on this machine's verify costs",
+      "speedup_ceiling": "eagle_jax.costs.speedup_ceiling: a perfect, free drafter, n tokens "
+      "accepted per c(n), at the best n on the curve: what this machine's verify costs allow",
       "jax_version": jax.__version__, "backend": jax.default_backend()}
   return out

@@ -119,6 +119,18 @@ def chain_tokens(alpha: float, gamma: float) -> float:
   return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def speedup_ceiling(curve: dict[int, float]) -> dict[str, float | int]:
+  """The speedup over vanilla decoding that a perfect drafter costing nothing would reach with
+  this verify-cost curve: a pass over ``n`` tokens (the root and ``n - 1`` drafted ones, every one
+  accepted) yields ``n`` tokens for c(n) where vanilla yields one for c(1). Returns the best
+  ``n`` on the curve and its ``n c(1) / c(n)``. What the hardware allows, against which
+  ``predict_speedup`` shows what a drafter's acceptance and draft cost leave of it."""
+  if 1 not in curve:
+    raise ValueError("the verify-cost curve needs c(1), the one-token pass")
+  best = max(sorted(curve), key=lambda n: n * curve[1] / curve[n])
+  return {"speedup": round(best * curve[1] / curve[best], 3), "tokens_per_pass": best}
+
+
 def predict_speedup(accepted, drafted, curve: dict[int, float], *, widths, draft_ms: float,
                     chain: bool) -> tuple[float | None, float | None]:
   """Speedup over vanilla decoding predicted from measured acceptance and measured costs: the one

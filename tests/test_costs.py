@@ -57,3 +57,19 @@ def test_costs_outside_the_curve_or_the_ladder_are_refused_not_clamped():
     predict_speedup([1], [2], curve, widths=(2, 8), draft_ms=0.0, chain=False)
   # a ladder the curve covers (8 + 1 = 9 > 8 above; 7 + 1 = 8 here) is fine
   assert predict_speedup([1], [2], curve, widths=(7,), draft_ms=0.0, chain=False)[0] > 0
+
+
+def test_speedup_ceiling_is_the_best_fully_accepted_pass_on_the_curve():
+  from eagle_jax.costs import speedup_ceiling
+
+  # 4 tokens for 6 ms beats 2 for 4 ms and 8 for 16 ms, against 1 token for 3 ms
+  curve = {1: 3.0, 2: 4.0, 4: 6.0, 8: 16.0}
+  assert speedup_ceiling(curve) == {"speedup": 2.0, "tokens_per_pass": 4}
+  # a pass whose every extra token costs a full step pays nothing: the ceiling is vanilla itself
+  assert speedup_ceiling({1: 2.0, 2: 4.0, 4: 8.0}) == {"speedup": 1.0, "tokens_per_pass": 1}
+  with pytest.raises(ValueError, match="c\\(1\\)"):
+    speedup_ceiling({2: 4.0, 4: 6.0})
+  # no drafter's prediction exceeds it: every drafted token accepted, no draft cost, widest pass
+  ladder = (1, 3, 7)
+  best, _ = predict_speedup([3] * 5, [3] * 5, curve, widths=ladder, draft_ms=0.0, chain=False)
+  assert best <= speedup_ceiling(curve)["speedup"]

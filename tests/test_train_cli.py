@@ -156,6 +156,10 @@ def test_bench_spec_rows_name_their_checkpoints(trained):
     assert rows[name]["greedy_matches_vanilla"] == 2 and rows[name]["tau"] >= 1.0
     assert rows[name]["speedup"] > 0 and len(rows[name]["n_alpha"]) >= 1
     assert rows[name]["predicted_speedup"] > 0 and rows[name]["draft_ms"] >= 0
+    # drafting for free can only help, and no drafter passes what a perfect free one would reach
+    assert rows[name]["predicted_speedup"] <= rows[name]["predicted_speedup_free_draft"]
+    assert rows[name]["predicted_speedup_free_draft"] <= out["speedup_ceiling"]["speedup"] + 1e-3
+  assert out["speedup_ceiling"]["tokens_per_pass"] in out["verify_cost_ms"]
 
 
 def test_tune_uses_the_runs_own_target_and_heldout_split(tmp_path, monkeypatch, capsys):
