@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from eagle_jax.costs import predict_speedup
+from eagle_jax.costs import predict_speedup, speedup_ceiling
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.speculative import acceptance_rates
 
@@ -37,18 +37,26 @@ def _cell(records, vanilla):
           "speedup": round(tokens_per_s(records) / tokens_per_s(vanilla), 3)}
 
 
-def _predicted(records, costs, name):
+def _predicted(records, costs, name, free_draft: bool = False):
   """Speedup predicted from the records' measured acceptance and the run's measured costs
-  (:func:`eagle_jax.costs.predict_speedup`); None for vanilla or without costs."""
+  (:func:`eagle_jax.costs.predict_speedup`), with ``free_draft`` as if drafting cost nothing;
+  None for vanilla or without costs."""
   curve = {int(k): v for k, v in costs.get("verify_cost_ms", {}).items()}
   if name not in costs.get("draft_ms", {}):
     return None
   nodes = costs["num_nodes"][name]
   speedup, _ = predict_speedup(
       [a for r in records for a in r["accepted"]], [d for r in records for d in r["drafted_depth"]],
-      curve, widths=costs.get("widths", {}).get(name, [nodes]), draft_ms=costs["draft_ms"][name],
+      curve, widths=costs.get("widths", {}).get(name, [nodes]),
+      draft_ms=0.0 if free_draft else costs["draft_ms"][name],
       chain=costs.get("chain", {}).get(name, False))
   return None if speedup is None else round(speedup, 3)
+
+
+def _ceiling(costs):
+  """:func:`eagle_jax.costs.speedup_ceiling` of the run's verify-cost curve; None without one."""
+  curve = {int(k): v for k, v in (costs.get("verify_cost_ms") or {}).items()}
+  return speedup_ceiling(curve) if 1 in curve else None
 
 
 def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict | None = None) -> dict:
@@ -77,6 +85,7 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict 
           # both timed by one process (records from before sessions were kept count as one)
           "same_run": {r.get("session") for r in recs} == {r.get("session") for r in vrecs},
           "predicted_speedup": _predicted(recs, costs, m.name),
+          "predicted_speedup_free_draft": _predicted(recs, costs, m.name, free_draft=True),
           "num_nodes": costs.get("num_nodes", {}).get(m.name),
           "per_category": {c: _cell([r for r in recs if r["category"] == c],
                                     [r for r in vrecs if r["category"] == c]) for c in cats}})
@@ -88,6 +97,7 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict 
                        "speedup": "tokens/s over vanilla's, same prompts, same run (same_run false: "
                                   "vanilla was timed by another run)",
                        "verify_cost_ms": costs.get("verify_cost_ms"),
+                       "speedup_ceiling": _ceiling(costs),
                        "prompts": f"{ev.prompts}: {ev.num_questions or 'all'} questions, turns "
                                   f"{list(ev.turns)}"}}
 

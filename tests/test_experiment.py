@@ -89,6 +89,8 @@ def test_runner_writes_records_summary_and_table(finished):
     t0, t1 = summary["methods"][name]["T0.0"], summary["methods"][name]["T1.0"]
     assert t0["greedy_mismatches"] == 0 and t1["greedy_mismatches"] is None
     assert t0["tau"] >= 1.0 and t0["speedup"] > 0 and t0["predicted_speedup"] > 0
+    assert t0["predicted_speedup"] <= t0["predicted_speedup_free_draft"]
+    assert t0["predicted_speedup_free_draft"] <= summary["settings"]["speedup_ceiling"]["speedup"] + 1e-3
     assert len(t0["n_alpha"]) >= 1 and set(t0["per_category"]) == {"writing", "roleplay"}
   assert summary["methods"]["vanilla"]["T0.0"]["tau"] is None
   records = [json.loads(l) for l in (out / "records" / "skip2-T0.0.jsonl").read_text().splitlines()]
@@ -284,6 +286,12 @@ def test_table_prediction_reads_the_runs_costs():
   assert _predicted(recs, old, "pld") == round(7 * 10.0 / (24 + 24 + 10 + 10 + 4 * 0.5), 3)
   assert _predicted([{"accepted": [], "drafted_depth": []}], costs, "pld") is None
   assert _predicted(recs, costs, "vanilla") is None
+  # the same steps with drafting free, and the curve's ceiling above both
+  free = _predicted(recs, costs, "pld", free_draft=True)
+  assert free == round((4 + 1 + 1 + 1) * 10.0 / (24 + 16 + 10 + 10), 3) > _predicted(recs, costs, "pld")
+  from eagle_jax.tables import _ceiling
+  assert _ceiling(costs) == {"speedup": 3.333, "tokens_per_pass": 8} and free <= 3.333
+  assert _ceiling({}) is None
 
 
 def test_a_drafter_for_another_target_trains_in_its_own_run_folder(tmp_path, monkeypatch):
