@@ -37,17 +37,21 @@ def _cell(records, vanilla):
           "speedup": round(tokens_per_s(records) / tokens_per_s(vanilla), 3)}
 
 
+def _curve(costs) -> dict[int, float]:
+  """The run's verify-cost curve (``costs.json`` keys are strings), ms by tokens in the pass."""
+  return {int(k): v for k, v in (costs.get("verify_cost_ms") or {}).items()}
+
+
 def _predicted(records, costs, name, free_draft: bool = False):
   """Speedup predicted from the records' measured acceptance and the run's measured costs
   (:func:`eagle_jax.costs.predict_speedup`), with ``free_draft`` as if drafting cost nothing;
   None for vanilla or without costs."""
-  curve = {int(k): v for k, v in costs.get("verify_cost_ms", {}).items()}
   if name not in costs.get("draft_ms", {}):
     return None
   nodes = costs["num_nodes"][name]
   speedup, _ = predict_speedup(
       [a for r in records for a in r["accepted"]], [d for r in records for d in r["drafted_depth"]],
-      curve, widths=costs.get("widths", {}).get(name, [nodes]),
+      _curve(costs), widths=costs.get("widths", {}).get(name, [nodes]),
       draft_ms=0.0 if free_draft else costs["draft_ms"][name],
       chain=costs.get("chain", {}).get(name, False))
   return None if speedup is None else round(speedup, 3)
@@ -55,7 +59,7 @@ def _predicted(records, costs, name, free_draft: bool = False):
 
 def _ceiling(costs):
   """:func:`eagle_jax.costs.speedup_ceiling` of the run's verify-cost curve; None without one."""
-  curve = {int(k): v for k, v in (costs.get("verify_cost_ms") or {}).items()}
+  curve = _curve(costs)
   return speedup_ceiling(curve) if 1 in curve else None
 
 
