@@ -4,6 +4,10 @@ Both run the same MT-bench prompts in the same process. The floor is the bytes o
 a decode step must read divided by the best read bandwidth measured here (a large fp32
 matrix-vector product in numpy and in JAX, the fastest of repeats, measured beside every
 prompt's timed runs and once after them; the highest reading counts).
+
+Where the CPU kernels run, it also splits the step by the time spent inside them
+(:func:`eagle_jax.kernels.time_inside`): the weight products, the attention, and everything
+else (XLA's own operations: norms, rotary embedding, cache writes, sampling, the loop).
 """
 
 from __future__ import annotations
@@ -77,6 +81,23 @@ def weights_read(model) -> str:
   return "float32"
 
 
+def _generate_timed(model, prompt, max_new_tokens):
+  """``generate`` with the seconds it spent inside each CPU kernel (None without kernels)."""
+  before = kernels.time_inside()
+  g = generate(model, [prompt], max_new_tokens=max_new_tokens, stop_ids=())
+  after = kernels.time_inside()
+  return g, None if before is None else {k: after[k][1] - before[k][1] for k in after}
+
+
+def block_bytes(model) -> int:
+  """Bytes of the integer blocks a decode step reads (0 where the kernels do not read them)."""
+  from eagle_jax.model import WeightBlocks
+
+  if not (kernels.available() and jax.default_backend() == "cpu"):
+    return 0
+  return sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(model, WeightBlocks)))
+
+
 def _hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
   import torch
   from transformers import AutoModelForCausalLM
@@ -101,7 +122,7 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
   lm = load_model(model)
   questions = load_mtbench()[:num_prompts]
   prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
-  ours, step_ms, tokens, readings = [], [], [], []
+  ours, step_ms, tokens, readings, inside_ms = [], [], [], [], []
   measure_read_bandwidth = read_bandwidth_probe()
   for p in prompts:
     generate(lm.model, [p], max_new_tokens=max_new_tokens, stop_ids=())  # compile + warm
@@ -109,13 +130,18 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
     readings.append(measure_read_bandwidth())  # beside the timed runs: the machine of the moment
     fulls, ones = [], []
     for _ in range(repeats):  # interleaved, medians: a shared machine's noise hits both alike
-      fulls.append(generate(lm.model, [p], max_new_tokens=max_new_tokens, stop_ids=()))
-      ones.append(generate(lm.model, [p], max_new_tokens=1, stop_ids=()))  # prefill + 1st token
-    full_s = statistics.median(g.seconds for g in fulls)
+      fulls.append(_generate_timed(lm.model, p, max_new_tokens))
+      ones.append(_generate_timed(lm.model, p, 1))  # prefill + 1st token
+    per_step = lambda full, one: 1000 * (statistics.median(full) - statistics.median(one)) / (max_new_tokens - 1)
+    full_s = statistics.median(g.seconds for g, _ in fulls)
     ours.append(full_s)
-    step_ms.append(1000 * (full_s - statistics.median(g.seconds for g in ones)) / (max_new_tokens - 1))
-    tokens.append(fulls[0].tokens[0])
-  bw = _peak(readings + [measure_read_bandwidth()])
+    step_ms.append(per_step([g.seconds for g, _ in fulls], [g.seconds for g, _ in ones]))
+    if fulls[0][1] is not None:  # the same difference, for the time inside each kernel
+      inside_ms.append({k: per_step([t[k] for _, t in fulls], [t[k] for _, t in ones])
+                        for k in kernels.KERNELS})
+    tokens.append(fulls[0][0].tokens[0])
+  readings.append(measure_read_bandwidth())
+  bw = _peak(readings)
   wbytes = weight_bytes_per_step(lm.model)
   floor_ms = 1000 * wbytes / (bw["bandwidth_gbs"] * 1e9)
   ms_per_token = statistics.median(step_ms)
@@ -128,7 +154,18 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
       "ratio_to_floor": round(ms_per_token / floor_ms, 3),
       "weight_bytes_per_step": wbytes,
       **bw,
+      "bandwidth_readings_gbs": [r["bandwidth_gbs"] for r in readings],
   }
+  if inside_ms:
+    inside = {k: round(statistics.median(t[k] for t in inside_ms), 3) for k in kernels.KERNELS}
+    products_ms = inside["float_products"] + inside["block_products"]
+    result.update({
+        "kernel_ms_per_token": inside,
+        "outside_kernels_ms_per_token": round(ms_per_token - sum(inside.values()), 3),
+        "products_ratio_to_floor": round(products_ms / floor_ms, 3),
+    })
+    if inside["block_products"] > 0:
+      result["block_products_gbs"] = round(block_bytes(lm.model) / inside["block_products"] / 1e6, 2)
   if with_hf:
     hf_tokens, hf_secs, torch_version, threads = _hf_greedy(lm.folder, prompts, max_new_tokens)
     result.update({
@@ -148,6 +185,9 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
       "bandwidth_method": "bytes of a 256 MB fp32 matrix-vector product over its fastest of 20 "
                           "calls, numpy and JAX, measured before each prompt's timed runs and "
                           "after all of them; the highest reading",
+      "kernel_ms_method": "wall time inside each CPU kernel (kernels.time_inside) per step, "
+                          "taken as ms_per_token is; outside_kernels_ms_per_token is the rest "
+                          "of the step",
       "ms_per_token_method": "(median time for N tokens - median time for 1 token) / (N - 1) over "
                              "`repeats` interleaved runs, median over prompts; tokens/s from the "
                              "median N-token run",

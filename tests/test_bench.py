@@ -33,3 +33,16 @@ def test_bench_decode_json_floor_and_transformers_agree(smollm, capsys):
   blocks = kernels.available() and jax.default_backend() == "cpu"
   assert (100e6 < out["weight_bytes_per_step"] < 130e6) if blocks else out["weight_bytes_per_step"] > 500e6
   assert out["settings"]["max_new_tokens"] == 8 and out["settings"]["repeats"] == 1
+  # one reading beside the prompt's runs and one after them; the floor takes the highest
+  assert len(out["bandwidth_readings_gbs"]) == 2
+  assert max(out["bandwidth_readings_gbs"]) == out["bandwidth_gbs"]
+  if blocks:  # the step split by the time inside the CPU kernels
+    inside = out["kernel_ms_per_token"]
+    assert set(inside) == set(kernels.KERNELS) and inside["block_products"] > 0
+    assert out["outside_kernels_ms_per_token"] == pytest.approx(
+        out["ms_per_token"] - sum(inside.values()), abs=0.01)
+    products = inside["float_products"] + inside["block_products"]
+    assert out["products_ratio_to_floor"] == pytest.approx(products / floor, rel=0.01, abs=0.01)
+    # nearly every byte a step reads is a block (the rest: norm weights)
+    assert out["block_products_gbs"] == pytest.approx(
+        out["weight_bytes_per_step"] / (inside["block_products"] * 1e6), rel=0.01)

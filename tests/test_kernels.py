@@ -290,3 +290,23 @@ def test_kernel_threads_follow_the_setting():
     return int(out.stdout.split()[-1])
 
   assert started(4) - started(1) == 3
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the CPU kernel")
+def test_time_inside_counts_each_kernels_calls_and_time():
+  """Two readings of kernels.time_inside around a computation give each kernel's calls in it
+  and time spent inside them (what `bench decode` splits a step with)."""
+  x, w = _operands((4,), 64, 512)
+  blocks = jax.tree.map(jnp.asarray, kernels.Blocks.quantize8(np.asarray(w)))
+  q, parts = _attention_operands(1, 3, 3, 1, 256, 64, 1, 0.3)
+  step = jax.jit(lambda x, q: (kernels.linear(x, w), kernels.linear(x[:1], w, blocks),
+                               kernels.attend(q, parts)))
+  jax.block_until_ready(step(x, q))  # compiled: no kernel runs while compiling
+  before = kernels.time_inside()
+  for _ in range(3):
+    jax.block_until_ready(step(x, q))
+  after = kernels.time_inside()
+  assert set(after) == set(kernels.KERNELS)
+  for name in kernels.KERNELS:
+    assert after[name][0] - before[name][0] == 3  # one call of each kernel per step
+    assert after[name][1] > before[name][1]

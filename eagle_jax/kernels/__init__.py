@@ -93,9 +93,13 @@ def _build() -> str:
   return path
 
 
+_lib: ctypes.CDLL | None = None  # the loaded kernels, once available() has registered them
+
+
 @functools.cache
 def available() -> bool:
   """Whether the kernel is built and registered (built on the first call)."""
+  global _lib
   if os.environ.get("EAGLE_JAX_CPU_KERNELS", "1") == "0":
     return False
   try:
@@ -106,7 +110,23 @@ def available() -> bool:
   except (OSError, RuntimeError, AttributeError) as e:
     print(f"[eagle_jax] small-matmul CPU kernel unavailable, using XLA's dot: {e}", file=sys.stderr)
     return False
+  _lib = lib
   return True
+
+
+KERNELS = ("float_products", "block_products", "attention")  # the kernels time_inside reports
+
+
+def time_inside() -> dict[str, tuple[int, float]] | None:
+  """Per CPU kernel (:data:`KERNELS`: float32 products, integer-block products, attention), its
+  calls and the wall seconds spent inside them since the process loaded the kernels, or None
+  where they are not in use. Two readings around a computation give the time it spent in each
+  kernel (``eagle-jax bench decode`` splits a decode step so); each call adds two clock reads."""
+  if not available():
+    return None
+  out = (ctypes.c_int64 * (2 * len(KERNELS)))()
+  _lib.EagleJaxTimeInside(out)
+  return {name: (out[2 * k + 1], out[2 * k] / 1e9) for k, name in enumerate(KERNELS)}
 
 
 @flax.struct.dataclass

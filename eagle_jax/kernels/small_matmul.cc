@@ -387,6 +387,21 @@ void Rows(const float* x, const float* w, const Quantized& qw, float* y, int64_t
   }
 }
 
+// Wall time spent inside each kernel, and its calls, since the library was loaded: read by
+// eagle_jax.kernels.time_inside (the decode benchmark splits a step into the products, the
+// attention and the rest with it). Two clock reads and two atomic adds per call.
+enum Kernel { kSmall, kBlocks, kAttend, kKernels };
+std::atomic<int64_t> g_inside_ns[kKernels], g_calls[kKernels];
+struct Timed {
+  Kernel k;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~Timed() {
+    g_inside_ns[k].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - start).count(), std::memory_order_relaxed);
+    g_calls[k].fetch_add(1, std::memory_order_relaxed);
+  }
+};
+
 // A small private worker pool. XLA may run several independent custom calls at once on its
 // own pool, so a call that blocked waiting on tasks queued there could deadlock; here the
 // calling thread takes chunks of its own job until none are left, and only then waits for
@@ -515,6 +530,7 @@ bool OneMatrix(ffi::Span<const int64_t> d) {
 
 ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
+  const Timed timed{kSmall};
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (!OneMatrix(wd) || xd.size() < 1 || xd.back() != wd[wd.size() - 1]) {
@@ -535,6 +551,7 @@ ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 // [out, in / 2], scale and offset float32 [out, in / 32].
 ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
                        ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y) {
+  const Timed timed{kBlocks};
   const auto xd = x.dimensions();
   const auto qd = q.dimensions();
   const auto sd = scale.dimensions();
@@ -700,6 +717,7 @@ AttendFn AttendFor(int64_t chunks) {
 ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
                   ffi::Buffer<ffi::F32> bc, ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
                   ffi::Buffer<ffi::F32> bn, ffi::ResultBuffer<ffi::F32> out) {
+  const Timed timed{kAttend};
   const auto qd = q.dimensions(), cd = kc.dimensions(), nd = kn.dimensions(), bcd = bc.dimensions();
   if (qd.size() != 4 || cd.size() != 4 || nd.size() != 4 || bcd.size() != 3 ||
       bn.dimensions().size() != 3) {
@@ -737,6 +755,15 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc, ffi::Buffer
 }
 
 }  // namespace
+
+// out[2 k], out[2 k + 1]: nanoseconds inside kernel k (SmallMatmul, BlockMatmul, Attend) and its
+// calls so far.
+extern "C" void EagleJaxTimeInside(int64_t* out) {
+  for (int k = 0; k < kKernels; ++k) {
+    out[2 * k] = g_inside_ns[k].load(std::memory_order_relaxed);
+    out[2 * k + 1] = g_calls[k].load(std::memory_order_relaxed);
+  }
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleJaxSmallMatmul, SmallMatmul,
                               ffi::Ffi::Bind()
