@@ -137,6 +137,44 @@ def test_block_kernel_gradients_and_vmap():
   np.testing.assert_allclose(np.asarray(got), np.asarray(_einsum(xb, w)), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_kernel_applies_the_input_norm(bits):
+  """linear(x, w, blocks, norm) = rms_norm(x) @ w^T, the norm computed in the kernel: each row's
+  bits do not depend on the other rows; gradients (x, w, the norm weight) and vmap (over x,
+  and over the weights and norm) match plain JAX; without blocks the norm is JAX's own."""
+  din, dout, eps = 576, 100, 1e-5
+  b = _blocks(dout, din, bits, seed=4)
+  w = jnp.asarray(b.dequantize())
+  rng = np.random.default_rng(5)
+  nw = jnp.asarray(1 + rng.standard_normal(din).astype(np.float32) / 4)
+  ref = lambda x, w, nw: _einsum(kernels.rms_norm(x, nw, eps), w)
+  f = jax.jit(lambda x, w, nw: kernels.linear(x, w, b, kernels.Norm(nw, eps)))
+  for lead in [(1,), (3,), (2, 5), (32,), (40,)]:
+    x = jnp.asarray(3 * rng.standard_normal(lead + (din,)), jnp.float32)
+    got = f(x, w, nw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref(x, w, nw)), rtol=1e-5,
+                               atol=1e-5 * np.sqrt(din))
+    if math.prod(lead) <= kernels.BLOCK_MAX_ROWS:
+      flat = x.reshape(-1, din)
+      alone = np.stack([np.asarray(f(flat[i:i + 1], w, nw))[0] for i in range(flat.shape[0])])
+      np.testing.assert_array_equal(np.asarray(got).reshape(alone.shape), alone)
+  assert "eagle_jax_block_matmul" in f.lower(x[:1], w, nw).as_text()
+  x = jnp.asarray(rng.standard_normal((2, 3, din)), jnp.float32)
+  loss = lambda g: (lambda x, w, nw: jnp.sum(jnp.sin(g(x, w, nw))))
+  got = jax.grad(loss(f), argnums=(0, 1, 2))(x, w, nw)
+  want = jax.grad(loss(ref), argnums=(0, 1, 2))(x, w, nw)
+  for g, e in zip(got, want):  # sums of hundreds of terms of up to ~20: float32 rounding
+    np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5 * np.abs(e).max())
+  xb = jnp.stack([x, 2 * x])
+  np.testing.assert_allclose(np.asarray(jax.jit(jax.vmap(lambda x: f(x, w, nw)))(xb)),
+                             np.asarray(ref(xb, w, nw)), rtol=1e-5, atol=1e-4)
+  nwb = jnp.stack([nw, 2 * nw])  # the norm weights batched: plain JAX per weight
+  np.testing.assert_allclose(np.asarray(jax.vmap(lambda n: f(x, w, n))(nwb)),
+                             np.asarray(jax.vmap(lambda n: ref(x, w, n))(nwb)), rtol=1e-5, atol=1e-4)
+  y = jax.jit(lambda x: kernels.linear(x, w, None, kernels.Norm(nw, eps)))(x)  # no blocks
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref(x, w, nw)), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("axes", [(None, 0), (0, 0), (1, 0)])
 def test_vmap_over_weights_matches_einsum(blocked, axes):

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -547,10 +548,31 @@ ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   return ffi::Error::Success();
 }
 
+// x's rows RMS-normalised and scaled by `weight` (n values each), as eagle_jax.model.RMSNorm
+// computes them: x * (1 / sqrt(mean(x * x) + eps)) * weight, the squares summed in a fixed
+// order, so a row gets the same bits alone or among others.
+void RmsNorm(const float* x, const float* weight, float eps, int64_t m, int64_t n, float* out) {
+  for (int64_t t = 0; t < m; ++t) {
+    const float* xr = x + t * n;
+    vf acc = {};
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const vf v = Load<vf>(xr + i);
+      acc += v * v;
+    }
+    float ss = TreeHsum(acc);
+    for (; i < n; ++i) ss += xr[i] * xr[i];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (i = 0; i < n; ++i) out[t * n + i] = weight[i] * (xr[i] * r);
+  }
+}
+
 // y = x @ w^T with w given as integer blocks (see Quantized): q int8 [out, in] or uint8
-// [out, in / 2], scale and offset float32 [out, in / 32].
+// [out, in / 2], scale and offset float32 [out, in / 32]. `norm`: empty, or an RMSNorm weight
+// [in] applied to x first (RmsNorm, with `eps`), in place of XLA's four small operations.
 ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
-                       ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::F32> norm, float eps,
+                       ffi::ResultBuffer<ffi::F32> y) {
   const Timed timed{kBlocks};
   const auto xd = x.dimensions();
   const auto qd = q.dimensions();
@@ -567,8 +589,18 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ff
       sd.back() != in / kBlock || offset.element_count() != scale.element_count()) {
     return ffi::Error::InvalidArgument("block_matmul: q, scale and offset do not match x's width");
   }
+  if (norm.element_count() != 0 && norm.element_count() != in) {
+    return ffi::Error::InvalidArgument("block_matmul: the norm weight does not match x's width");
+  }
   auto job = std::make_shared<Job>();
   job->x = x.typed_data();
+  const int64_t rows = x.element_count() / std::max<int64_t>(in, 1);
+  thread_local std::vector<float> normed;  // this call's normalised rows (one call per thread)
+  if (norm.element_count() == in) {
+    normed.resize(rows * in);
+    RmsNorm(x.typed_data(), norm.typed_data(), eps, rows, in, normed.data());
+    job->x = normed.data();
+  }
   job->w = nullptr;
   job->qw = Quantized{q.untyped_data(), scale.typed_data(), offset.typed_data(), u8 ? 4 : 8};
   job->y = y->typed_data();
@@ -777,6 +809,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleJaxBlockMatmul, BlockMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleJaxAttend, Attend,
