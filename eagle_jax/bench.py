@@ -132,7 +132,8 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
     for _ in range(repeats):  # interleaved, medians: a shared machine's noise hits both alike
       fulls.append(_generate_timed(lm.model, p, max_new_tokens))
       ones.append(_generate_timed(lm.model, p, 1))  # prefill + 1st token
-    per_step = lambda full, one: 1000 * (statistics.median(full) - statistics.median(one)) / (max_new_tokens - 1)
+    per_step = lambda full, one: (1000 * (statistics.median(full) - statistics.median(one))
+                                  / (max_new_tokens - 1))
     full_s = statistics.median(g.seconds for g, _ in fulls)
     ours.append(full_s)
     step_ms.append(per_step([g.seconds for g, _ in fulls], [g.seconds for g, _ in ones]))

@@ -239,9 +239,12 @@ def _weights_stay_shared(kernel, reference):
   return batched_kernel
 
 
-_ffi = _weights_stay_shared(
-    lambda x, w: jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), x.dtype))(x, w),
-    _einsum)
+def _small_ffi(x, w):
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), x.dtype)
+  return jax.ffi.ffi_call(_TARGET, out)(x, w)
+
+
+_ffi = _weights_stay_shared(_small_ffi, _einsum)
 
 
 @jax.custom_vjp
