@@ -54,18 +54,25 @@ def _peak(readings: list[dict[str, float]]) -> dict[str, float]:
   return {k: max(r[k] for r in readings) for k in readings[0]}
 
 
+def _blocks_read(model) -> dict[tuple, int]:
+  """Bytes of each integer-block variable a decode step reads, by its path ({} where the CPU
+  kernels do not read blocks)."""
+  from eagle_jax.model import WeightBlocks
+
+  if not (kernels.available() and jax.default_backend() == "cpu"):
+    return {}
+  blocks = nnx.to_flat_state(nnx.state(model, WeightBlocks))
+  return {path: v.get_value().nbytes for path, v in blocks}
+
+
 def weight_bytes_per_step(model) -> int:
   """Bytes of parameters read by one decode step (an untied embedding reads one row only).
   A weight whose integer blocks the CPU kernel reads counts by the blocks' bytes."""
-  from eagle_jax.model import WeightBlocks
-
   read = {}  # weight path -> bytes read
   for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     read[path] = v.get_value().nbytes
-  if kernels.available() and jax.default_backend() == "cpu":
-    for path, v in nnx.to_flat_state(nnx.state(model, WeightBlocks)):
-      weight = path[:-1] + ("weight",) if path[-1] == "blocks" else ("embed",)
-      read[weight] = v.get_value().nbytes
+  for path, nbytes in _blocks_read(model).items():
+    read[path[:-1] + ("weight",) if path[-1] == "blocks" else ("embed",)] = nbytes
   if model.lm_head is not None:
     read.pop(("embed",))
   return sum(read.values())
@@ -87,15 +94,6 @@ def _generate_timed(model, prompt, max_new_tokens):
   g = generate(model, [prompt], max_new_tokens=max_new_tokens, stop_ids=())
   after = kernels.time_inside()
   return g, None if before is None else {k: after[k][1] - before[k][1] for k in after}
-
-
-def block_bytes(model) -> int:
-  """Bytes of the integer blocks a decode step reads (0 where the kernels do not read them)."""
-  from eagle_jax.model import WeightBlocks
-
-  if not (kernels.available() and jax.default_backend() == "cpu"):
-    return 0
-  return sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(model, WeightBlocks)))
 
 
 def _hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
@@ -166,7 +164,8 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
         "products_ratio_to_floor": round(products_ms / floor_ms, 3),
     })
     if inside["block_products"] > 0:
-      result["block_products_gbs"] = round(block_bytes(lm.model) / inside["block_products"] / 1e6, 2)
+      result["block_products_gbs"] = round(sum(_blocks_read(lm.model).values())
+                                           / inside["block_products"] / 1e6, 2)
   if with_hf:
     hf_tokens, hf_secs, torch_version, threads = _hf_greedy(lm.folder, prompts, max_new_tokens)
     result.update({
