@@ -38,6 +38,12 @@ def fastest_ms(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
   return 1000 * min(times)
 
 
+def curve_from_json(verify_cost_ms) -> dict[int, float]:
+  """A verify-cost curve as stored in JSON (``costs.json``, whose keys are strings): ms by
+  tokens in the pass; empty for None."""
+  return {int(k): v for k, v in (verify_cost_ms or {}).items()}
+
+
 LONG = 9  # the longer chain of forwards in one call (verify_cost_curve)
 
 

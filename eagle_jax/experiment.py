@@ -390,13 +390,13 @@ def _load_costs(path, model) -> dict:
 
 def _measure_costs(costs, name, target, drafter, dparams, prompt) -> None:
   """Verify-cost curve (once) and the method's timed draft step, for predicted speedups."""
-  from eagle_jax.costs import sizes_up_to, verify_cost_curve
+  from eagle_jax.costs import curve_from_json, sizes_up_to, verify_cost_curve
   from eagle_jax.budget import draft_cost_ms
   from eagle_jax.speculative import is_chain, verify_widths
 
   # the curve (also from costs.json of an interrupted run) covers the largest tree so far;
   # a larger one times only the sizes it adds
-  curve = {int(k): v for k, v in costs["verify_cost_ms"].items()}
+  curve = curve_from_json(costs["verify_cost_ms"])
   missing = [n for n in sizes_up_to(0 if drafter is None else drafter.num_nodes) if n not in curve]
   if missing:
     curve.update(verify_cost_curve(target, sizes=missing))

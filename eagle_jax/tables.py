@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from eagle_jax.costs import predict_speedup, speedup_ceiling
+from eagle_jax.costs import curve_from_json, predict_speedup, speedup_ceiling
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.speculative import acceptance_rates
 
@@ -37,11 +37,6 @@ def _cell(records, vanilla):
           "speedup": round(tokens_per_s(records) / tokens_per_s(vanilla), 3)}
 
 
-def _curve(costs) -> dict[int, float]:
-  """The run's verify-cost curve (``costs.json`` keys are strings), ms by tokens in the pass."""
-  return {int(k): v for k, v in (costs.get("verify_cost_ms") or {}).items()}
-
-
 def _predicted(records, costs, name, free_draft: bool = False):
   """Speedup predicted from the records' measured acceptance and the run's measured costs
   (:func:`eagle_jax.costs.predict_speedup`), with ``free_draft`` as if drafting cost nothing;
@@ -51,7 +46,8 @@ def _predicted(records, costs, name, free_draft: bool = False):
   nodes = costs["num_nodes"][name]
   speedup, _ = predict_speedup(
       [a for r in records for a in r["accepted"]], [d for r in records for d in r["drafted_depth"]],
-      _curve(costs), widths=costs.get("widths", {}).get(name, [nodes]),
+      curve_from_json(costs.get("verify_cost_ms")),
+      widths=costs.get("widths", {}).get(name, [nodes]),
       draft_ms=0.0 if free_draft else costs["draft_ms"][name],
       chain=costs.get("chain", {}).get(name, False))
   return None if speedup is None else round(speedup, 3)
@@ -59,7 +55,7 @@ def _predicted(records, costs, name, free_draft: bool = False):
 
 def _ceiling(costs):
   """:func:`eagle_jax.costs.speedup_ceiling` of the run's verify-cost curve; None without one."""
-  curve = _curve(costs)
+  curve = curve_from_json(costs.get("verify_cost_ms"))
   return speedup_ceiling(curve) if 1 in curve else None
 
 
