@@ -6,7 +6,31 @@ import argparse
 import json
 import sys
 
+from eagle_jax.decoding.generate import generate
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.decoding.speculative import speculative_generate
+from eagle_jax.drafters.draft_model.train import (
+  DraftModelConfig,
+  predicted_speedup,
+  time_draft_sizes,
+)
+from eagle_jax.drafters.factory import DRAFTERS, DrafterOptions, check_options, make_drafter
+from eagle_jax.drafters.storage import read_meta
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.evaluation.bench_decode import bench_decode
+from eagle_jax.evaluation.bench_spec import bench_spec
+from eagle_jax.evaluation.demo import run_demo
+from eagle_jax.evaluation.runner import run_experiment
+from eagle_jax.evaluation.tables import render
+from eagle_jax.model.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
+from eagle_jax.pipeline.train import (
+  DataConfig,
+  TrainConfig,
+  TuneConfig,
+  run_training,
+  tune_medusa,
+  tune_run,
+)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -32,12 +56,6 @@ def _draft_shapes(text: str) -> dict[str, tuple[int, int]]:
 
 
 def _cmd_generate(args) -> None:
-  from eagle_jax.drafters.factory import check_options, make_drafter
-  from eagle_jax.generate import generate
-  from eagle_jax.registry import load_model
-  from eagle_jax.sampling import SamplingParams
-  from eagle_jax.speculative import speculative_generate
-
   params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
   if not args.message.strip():
     raise EagleJaxError("empty prompt: give a non-empty user message")
@@ -73,8 +91,6 @@ def _cmd_generate(args) -> None:
 
 
 def _cmd_bench_decode(args) -> None:
-  from eagle_jax.bench import bench_decode
-
   result = bench_decode(model=args.model, num_prompts=args.num_prompts,
                         max_new_tokens=args.max_new_tokens, with_hf=not args.no_hf,
                         repeats=args.repeats)
@@ -82,8 +98,6 @@ def _cmd_bench_decode(args) -> None:
 
 
 def _cmd_bench_spec(args) -> None:
-  from eagle_jax.bench_spec import bench_spec
-
   options = _drafter_options(args)
   methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
   result = bench_spec(model=args.model, methods=methods, num_prompts=args.num_prompts,
@@ -93,9 +107,6 @@ def _cmd_bench_spec(args) -> None:
 
 
 def _cmd_bench_draft_sizes(args) -> None:
-  from eagle_jax.distill import DraftModelConfig, predicted_speedup, time_draft_sizes
-  from eagle_jax.registry import load_model
-
   shapes = {}
   for name, (layers, width) in args.shapes.items():
     heads = max(width // 64, 1)
@@ -111,28 +122,18 @@ def _cmd_bench_draft_sizes(args) -> None:
 
 
 def _cmd_train(args) -> None:
-  from eagle_jax.pipeline import run_training
-
   print(json.dumps(run_training(args.config, args.overrides)))
 
 
 def _cmd_run(args) -> None:
-  from eagle_jax.experiment import run_experiment
-
   run_experiment(args.config, args.overrides)
 
 
 def _cmd_table(args) -> None:
-  from eagle_jax.tables import render
-
   print(render(args.results, args.format, args.per_category))
 
 
 def _cmd_tune(args) -> None:
-  from eagle_jax.exported import read_meta
-  from eagle_jax.pipeline import DataConfig, TuneConfig, TrainConfig, tune_medusa, tune_run
-  from eagle_jax.registry import DEFAULT_MODEL, load_model
-
   meta = read_meta(args.checkpoint)
   # the run's own target and held-out split, so the prompts tuned on were never trained on
   model = args.model or meta.get("model", DEFAULT_MODEL)
@@ -149,8 +150,6 @@ def _cmd_tune(args) -> None:
 
 
 def _cmd_demo(args) -> None:
-  from eagle_jax.demo import run_demo
-
   run_demo(model=args.model, num_questions=args.num_questions, max_new_tokens=args.max_new_tokens)
 
 
@@ -194,8 +193,6 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _drafter_options(args):
-  from eagle_jax.drafters.factory import DrafterOptions
-
   return DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
                         pld_max_ngram=args.pld_max_ngram, pld_widths=args.pld_widths,
                         draft_model=args.drafter_ckpt,
@@ -206,9 +203,6 @@ def _drafter_options(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from eagle_jax.drafters.factory import DRAFTERS
-  from eagle_jax.registry import DEFAULT_MODEL
-
   p = argparse.ArgumentParser(prog="eagle-jax", description="Speculative decoding in JAX/Flax.")
   sub = p.add_subparsers(dest="command", required=True)
 
@@ -303,8 +297,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  from eagle_jax.registry import enable_compilation_cache
-
   args = build_parser().parse_args(argv)
   enable_compilation_cache()
   try:

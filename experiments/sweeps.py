@@ -11,7 +11,7 @@ writes ``<out>/sweep-<kind>/sweep.json`` = ``{"sweep", "x", "rows", "settings"}`
 ``method, x, tau, tokens_per_s, speedup, predicted_speedup, category``; ``category`` null = all
 prompts) and ``<out>/sweep-<kind>/<kind>.png``; ``notebooks/sweeps.ipynb`` plots sweep.json.
 
-Conventions (as :mod:`eagle_jax.tables`): tau = mean accepted drafts per verify pass + 1 (bonus
+Conventions (as :mod:`eagle_jax.evaluation.tables`): tau = mean accepted drafts per verify pass + 1 (bonus
 token included, prefill excluded); speedup = tokens/s over vanilla's on the same prompts;
 times exclude compilation. Trained drafters come from ``--runs-dir`` (the run with the most
 training tokens); a missing one is a one-line error before anything is compiled.
@@ -30,18 +30,18 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from eagle_jax.budget import draft_cost_ms
-from eagle_jax.costs import predict_speedup, verify_cost_curve
-from eagle_jax.drafters.eagle import EagleDrafter
-from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
+from eagle_jax.drafters.eagle.tune import draft_cost_ms
+from eagle_jax.decoding.costs import predict_speedup, verify_cost_curve
+from eagle_jax.drafters.eagle.drafter import EagleDrafter
+from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model import Linear, quantize_linears
-from eagle_jax.experiment import (TRAINED, EvalConfig, ExperimentConfig, MethodConfig,
+from eagle_jax.model.transformer import Linear, quantize_linears
+from eagle_jax.evaluation.runner import (TRAINED, EvalConfig, ExperimentConfig, MethodConfig,
                                   build_prompts, drafter_for, ensure_checkpoint, questions_for,
                                   run_unit)
-from eagle_jax.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
-from eagle_jax.speculative import is_chain, verify_widths
-from eagle_jax.tables import TAU, tau_of, tokens_per_s
+from eagle_jax.model.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
+from eagle_jax.decoding.speculative import is_chain, verify_widths
+from eagle_jax.evaluation.tables import TAU, tau_of, tokens_per_s
 
 CHAIN = ("pld", "pld-static", "eagle1", "self-draft", "draft-model")  # budget = gamma, the chain length
 TREE = ("eagle2", "eagle3", "medusa")  # budget = total_tokens, the tree's node count
@@ -59,7 +59,7 @@ ALIGNMENT = {"trained-head": "eagle2", "untrained-head": "eagle2", "layer-skip":
 class Bench:
   """One sweep's target, prompts and settings; vanilla baselines and costs, each measured once."""
 
-  lm: Any  # eagle_jax.registry.LoadedModel
+  lm: Any  # eagle_jax.model.registry.LoadedModel
   cfg: ExperimentConfig
   prompts: list[dict]  # build_prompts dicts: id, category, turn, tokens
   progress: bool = False
@@ -138,8 +138,8 @@ def sweep_budget(cfg, methods=DEFAULT_METHODS["budget"], gammas=GAMMAS, sizes=TR
   drafted pool top_k + (depth - 1) top_k^2, the same for every size; medusa: the best static tree
   of that size for the checkpoint's held-out rank accuracies; a checkpoint without them keeps
   Medusa's default tree, and a size met twice is measured once).
-  predicted_speedup: :func:`eagle_jax.costs.predict_speedup` (chains: the i.i.d. formula at the
-  measured acceptance; trees: the measured tau), as :mod:`eagle_jax.tables` and ``bench spec``.
+  predicted_speedup: :func:`eagle_jax.decoding.costs.predict_speedup` (chains: the i.i.d. formula at the
+  measured acceptance; trees: the measured tau), as :mod:`eagle_jax.evaluation.tables` and ``bench spec``.
   """
   _check("budget sweep: unknown method(s)", methods, CHAIN + TREE)
   bench = Bench.open(cfg, methods, progress=progress)

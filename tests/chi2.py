@@ -25,14 +25,14 @@ def sampling_target():
   its vanilla sample below is drawn once)."""
   from flax import nnx
 
-  from eagle_jax.config import tiny_config
-  from eagle_jax.model import Transformer
+  from eagle_jax.model.config import tiny_config
+  from eagle_jax.model.transformer import Transformer
 
   return Transformer(tiny_config(vocab_size=VOCAB), rngs=nnx.Rngs(0))
 
 
 def _setting():
-  from eagle_jax.sampling import SamplingParams
+  from eagle_jax.decoding.sampling import SamplingParams
 
   return dict(prompts=[[1, 2, 3, 1, 2]] * 6000, max_new_tokens=3,
               params=SamplingParams(temperature=1.0, top_k=8), stop_ids=())
@@ -44,7 +44,7 @@ def _pairs(gen):
 
 @functools.cache
 def _vanilla_pairs():
-  from eagle_jax.generate import generate
+  from eagle_jax.decoding.generate import generate
 
   return _pairs(generate(sampling_target(), seed=1, **_setting()))
 
@@ -53,7 +53,7 @@ def assert_sampling_matches_vanilla(drafter, dparams, expect_accepts=True):
   """Tokens 2-3 sampled 6000 times (T=1, top-k 8) from :func:`sampling_target`: speculative
   vs vanilla, same distribution; with ``expect_accepts`` some drafts were accepted (tau > 1).
   The vanilla sample is drawn once per process and compared with every drafter's."""
-  from eagle_jax.speculative import speculative_generate
+  from eagle_jax.decoding.speculative import speculative_generate
 
   got = speculative_generate(sampling_target(), drafter, dparams, seed=2, **_setting())
   assert_same_distribution(_vanilla_pairs(), _pairs(got), VOCAB * VOCAB)

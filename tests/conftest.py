@@ -4,9 +4,9 @@ import jax
 import pytest
 from flax import nnx
 
-from eagle_jax.config import tiny_config
-from eagle_jax.model import Transformer
-from eagle_jax.registry import enable_compilation_cache
+from eagle_jax.model.config import tiny_config
+from eagle_jax.model.transformer import Transformer
+from eagle_jax.model.registry import enable_compilation_cache
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # compiled programs go to $EAGLE_JAX_CACHE/xla, as the CLI's do: a program another test module or
@@ -26,7 +26,7 @@ def _free_compiled_programs():
 @pytest.fixture(scope="session")
 def smollm():
   """The real default model (converted once into the eagle_jax cache)."""
-  from eagle_jax.registry import load_model
+  from eagle_jax.model.registry import load_model
 
   return load_model("smollm2-135m-instruct")
 
@@ -40,7 +40,7 @@ def tiny():
 
 @pytest.fixture(scope="session")
 def mtbench_prompts(smollm):
-  from eagle_jax.data import load_mtbench
+  from eagle_jax.evaluation.prompts import load_mtbench
 
   return [smollm.tokenizer.chat_prompt(q.turns[0]) for q in load_mtbench()]
 

@@ -27,7 +27,7 @@ def load_hf_gguf():
   import torch
   from transformers import AutoModelForCausalLM
 
-  from eagle_jax.registry import REGISTRY
+  from eagle_jax.model.registry import REGISTRY
 
   path = REGISTRY["smollm2-135m-instruct"].locate()
   return AutoModelForCausalLM.from_pretrained(
@@ -39,7 +39,7 @@ def golden_columns(vocab_size: int) -> np.ndarray:
 
 
 def write_golden():
-  from eagle_jax.registry import load_model
+  from eagle_jax.model.registry import load_model
 
   tok = load_model("smollm2-135m-instruct").tokenizer
   ids = [tok.chat_prompt(text) for text in PROMPTS]

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from eagle_jax import kernels
-from eagle_jax.bench import _peak
+from eagle_jax.evaluation.bench_decode import _peak
 from eagle_jax.cli import main
 
 

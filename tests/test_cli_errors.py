@@ -8,7 +8,7 @@ import pytest
 
 from eagle_jax import cli
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.registry import REGISTRY
+from eagle_jax.model.registry import REGISTRY
 
 
 def _run_error(capsys, argv):
@@ -133,7 +133,7 @@ def test_drafter_options_refuse_negative_bits_from_python():
 
 
 def test_draft_size_timing_needs_a_positive_gamma(tiny):
-  from eagle_jax.distill import time_draft_sizes
+  from eagle_jax.drafters.draft_model.train import time_draft_sizes
 
   with pytest.raises(EagleJaxError, match="--gamma must be >= 1"):
     time_draft_sizes(tiny(), {}, gamma=0)
@@ -204,8 +204,8 @@ def test_list_arguments_are_parsed_by_argparse(capsys, argv, expected):
 def test_converted_gguf_is_redone_when_the_file_changes(tmp_path, monkeypatch):
   import os
 
-  from eagle_jax import registry
-  from eagle_jax.gguf_convert import source_marker
+  from eagle_jax.model import registry
+  from eagle_jax.model.gguf import source_marker
 
   monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
   gguf_file = tmp_path / "m.gguf"
@@ -235,9 +235,9 @@ def test_converted_gguf_is_redone_when_the_file_changes(tmp_path, monkeypatch):
 def _tiny_llama_folder(tmp_path, extra_tensors=(), **config):
   from flax import nnx
 
-  from eagle_jax.checkpoints import save_hf_folder
-  from eagle_jax.config import tiny_config
-  from eagle_jax.model import Transformer
+  from eagle_jax.model.checkpoints import save_hf_folder
+  from eagle_jax.model.config import tiny_config
+  from eagle_jax.model.transformer import Transformer
 
   folder = str(tmp_path / "tiny")
   save_hf_folder(Transformer(tiny_config(**config), rngs=nnx.Rngs(0)), folder)
@@ -252,7 +252,7 @@ def _tiny_llama_folder(tmp_path, extra_tensors=(), **config):
 
 
 def test_checkpoint_tensors_without_a_place_are_refused(tmp_path):
-  from eagle_jax.checkpoints import load_hf_folder
+  from eagle_jax.model.checkpoints import load_hf_folder
   from eagle_jax.errors import EagleJaxError
 
   load_hf_folder(_tiny_llama_folder(tmp_path))  # every tensor used
@@ -264,7 +264,7 @@ def test_checkpoint_tensors_without_a_place_are_refused(tmp_path):
 
 
 def test_generation_config_eos_ids_stop_generation_too(tmp_path):
-  from eagle_jax.checkpoints import read_config
+  from eagle_jax.model.checkpoints import read_config
 
   folder = _tiny_llama_folder(tmp_path)
   (tmp_path / "tiny" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 9]}))
@@ -278,7 +278,7 @@ def test_generation_config_eos_ids_stop_generation_too(tmp_path):
     ("qwen2", dict(sliding_window=64, use_sliding_window=True), 64),
 ])
 def test_sliding_window_caps_the_cache(model_type, extra, expected):
-  from eagle_jax.config import ModelConfig
+  from eagle_jax.model.config import ModelConfig
 
   base = dict(model_type=model_type, vocab_size=32, hidden_size=16, intermediate_size=32,
               num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=512)
@@ -289,7 +289,7 @@ def test_gguf_rope_scaling_metadata(tmp_path):
   import gguf
 
   from eagle_jax.errors import EagleJaxError
-  from eagle_jax.gguf_convert import _config_from_gguf
+  from eagle_jax.model.gguf import _config_from_gguf
 
   def config_of(scaling, factor=4.0):
     path = str(tmp_path / f"{scaling}.gguf")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from eagle_jax.costs import chain_tokens, predict_speedup
-from eagle_jax.distill import predicted_speedup
+from eagle_jax.decoding.costs import chain_tokens, predict_speedup
+from eagle_jax.drafters.draft_model.train import predicted_speedup
 
 
 def test_chain_prediction_reduces_to_the_reference_formula():
@@ -60,7 +60,7 @@ def test_costs_outside_the_curve_or_the_ladder_are_refused_not_clamped():
 
 
 def test_speedup_ceiling_is_the_best_fully_accepted_pass_on_the_curve():
-  from eagle_jax.costs import speedup_ceiling
+  from eagle_jax.decoding.costs import speedup_ceiling
 
   # 4 tokens for 6 ms beats 2 for 4 ms and 8 for 16 ms, against 1 token for 3 ms
   curve = {1: 3.0, 2: 4.0, 4: 6.0, 8: 16.0}

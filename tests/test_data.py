@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from eagle_jax.data import Question, load_jsonl_prompts, load_mtbench, pick_questions
+from eagle_jax.evaluation.prompts import Question, load_jsonl_prompts, load_mtbench, pick_questions
 from eagle_jax.errors import EagleJaxError
 
 

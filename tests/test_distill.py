@@ -10,17 +10,17 @@ import pytest
 from flax import nnx
 
 import tiny_training
-from eagle_jax.checkpoints import load_hf_folder, save_hf_folder
-from eagle_jax.config import tiny_config
-from eagle_jax.distill import (DistillTask, DraftModelConfig, predicted_speedup,
+from eagle_jax.model.checkpoints import load_hf_folder, save_hf_folder
+from eagle_jax.model.config import tiny_config
+from eagle_jax.drafters.draft_model.train import (DistillTask, DraftModelConfig, predicted_speedup,
                                time_draft_sizes)
 from eagle_jax.drafters import DraftModelDrafter
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.features import FeatureShards, extract_features
-from eagle_jax.generate import generate
-from eagle_jax.model import Transformer
-from eagle_jax.speculative import speculative_generate
-from eagle_jax.train import LoopConfig, OptimConfig, train
+from eagle_jax.training.features import FeatureShards, extract_features
+from eagle_jax.decoding.generate import generate
+from eagle_jax.model.transformer import Transformer
+from eagle_jax.decoding.speculative import speculative_generate
+from eagle_jax.training.trainer import LoopConfig, OptimConfig, train
 
 DRAFT = DraftModelConfig(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
                          num_kv_heads=1, head_dim=16, embed_init="random", positions_per_row=16,
@@ -129,7 +129,7 @@ def test_hf_round_trip_and_lossless_drafting(trained):
   assert spec.tau > 1.0
 
   # head_bits=8 (DrafterOptions): every float32 matrix and the tied embedding in 8-bit blocks
-  from eagle_jax.model import Linear, quantize_linears
+  from eagle_jax.model.transformer import Linear, quantize_linears
   linears = [l for _, l in nnx.iter_graph(loaded) if isinstance(l, Linear)]
   assert quantize_linears(loaded) == len(linears) + 1 and loaded.embed_blocks is not None
   np.testing.assert_array_equal(np.asarray(loaded.embed[...]), loaded.embed_blocks.get_value().dequantize())

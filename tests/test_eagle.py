@@ -7,14 +7,14 @@ import pytest
 from flax import nnx
 
 from chi2 import assert_sampling_matches_vanilla, sampling_target
-from eagle_jax.drafters.eagle import EagleDrafter
-from eagle_jax.eagle_head import EagleHead, EagleHeadConfig, Frozen
-from eagle_jax.eagle_train import unroll
+from eagle_jax.drafters.eagle.drafter import EagleDrafter
+from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig, Frozen
+from eagle_jax.drafters.eagle.train import unroll
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.generate import generate
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import features_of, speculative_generate
-from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
+from eagle_jax.decoding.generate import generate
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.decoding.speculative import features_of, speculative_generate
+from eagle_jax.decoding.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9, 10, 11, 12, 7, 8, 9], [20, 21], [30, 31, 32, 33, 30]]
 TREES = {"static25": (TreeSpec.from_choices(EAGLE_DEFAULT_CHOICES), {}),
@@ -51,7 +51,7 @@ def test_head_in_8bit_blocks_stays_lossless(tiny, version):
   """head_bits=8: the head's linears read 8-bit blocks (the kernel on the CPU); drafts may
   change, the output may not."""
   from eagle_jax.kernels import BLOCK
-  from eagle_jax.model import Linear, quantize_linears
+  from eagle_jax.model.transformer import Linear, quantize_linears
 
   target = tiny()
   head = make_head(target.config, version, draft_vocab=96 if version == 3 else 0)
@@ -211,8 +211,8 @@ def test_frozen_arrays_are_the_targets(tiny):
 
 
 def test_top_tokens_and_exported_counts(tmp_path):
-  from eagle_jax.eagle_train import top_tokens
-  from eagle_jax.exported import load_token_counts, save_token_counts
+  from eagle_jax.drafters.eagle.train import top_tokens
+  from eagle_jax.drafters.storage import load_token_counts, save_token_counts
 
   counts = np.array([5, 0, 3, 9])
   assert top_tokens(counts, 2).tolist() == [0, 3]
@@ -264,7 +264,7 @@ def test_budget_tuner_times_each_drafter_once(tiny, monkeypatch):
   """A budget of n nodes below the depth drafts n levels whatever depth it was asked for, so
   the tuner times that drafter once per (top_k, draft vocabulary) and gives every depth the
   same figure; each (top_k, depth) also times its full-budget drafter."""
-  import eagle_jax.budget as budget
+  import eagle_jax.drafters.eagle.tune as budget
 
   target = tiny()
   head = make_head(target.config, 1)

@@ -6,12 +6,13 @@ import os
 
 import pytest
 
-from eagle_jax import costs, experiment
+from eagle_jax.decoding import costs
+from eagle_jax.evaluation import runner as experiment
 from eagle_jax.cli import main
 from eagle_jax.configs import load_config
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.experiment import ExperimentConfig, load_experiment
-from eagle_jax.pipeline import TrainConfig
+from eagle_jax.evaluation.runner import ExperimentConfig, load_experiment
+from eagle_jax.pipeline.train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
@@ -204,7 +205,7 @@ def test_jsonl_prompts(tmp_path):
 
 
 def test_a_prompt_file_is_used_whole_unless_cut_and_a_cut_is_announced(tmp_path, capsys):
-  from eagle_jax.experiment import EvalConfig, questions_for
+  from eagle_jax.evaluation.runner import EvalConfig, questions_for
 
   prompts = tmp_path / "mine.jsonl"
   prompts.write_text("".join(f'{{"prompt": "Say {i}.", "category": "c{i % 3}"}}\n' for i in range(120)))
@@ -217,7 +218,7 @@ def test_a_prompt_file_is_used_whole_unless_cut_and_a_cut_is_announced(tmp_path,
 
 
 def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
-  from eagle_jax.data import Question
+  from eagle_jax.evaluation.prompts import Question
 
   final = tmp_path / "final"
   final.mkdir()
@@ -231,7 +232,7 @@ def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
 
 
 def test_a_run_killed_while_tuning_is_not_finished(tmp_path):
-  from eagle_jax.pipeline import TrainConfig, run_finished
+  from eagle_jax.pipeline.train import TrainConfig, run_finished
 
   cfg = TrainConfig(name="r", drafter="eagle1", runs_dir=str(tmp_path))
   final = tmp_path / "r" / "final"
@@ -273,7 +274,7 @@ def test_no_prompt_with_the_asked_turns_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_table_prediction_reads_the_runs_costs():
-  from eagle_jax.tables import _predicted
+  from eagle_jax.evaluation.tables import _predicted
 
   costs = {"verify_cost_ms": {"1": 10.0, "2": 12.0, "4": 16.0, "8": 24.0}, "draft_ms": {"pld": 0.5},
            "num_nodes": {"pld": 7}, "widths": {"pld": [3, 7]}, "chain": {"pld": False}}
@@ -289,7 +290,7 @@ def test_table_prediction_reads_the_runs_costs():
   # the same steps with drafting free, and the curve's ceiling above both
   free = _predicted(recs, costs, "pld", free_draft=True)
   assert free == round((4 + 1 + 1 + 1) * 10.0 / (24 + 16 + 10 + 10), 3) > _predicted(recs, costs, "pld")
-  from eagle_jax.tables import _ceiling
+  from eagle_jax.evaluation.tables import _ceiling
   assert _ceiling(costs) == {"speedup": 3.333, "tokens_per_pass": 8} and free <= 3.333
   assert _ceiling({}) is None
 
@@ -297,8 +298,8 @@ def test_table_prediction_reads_the_runs_costs():
 def test_a_drafter_for_another_target_trains_in_its_own_run_folder(tmp_path, monkeypatch):
   """A training config names its run after itself; trained for another target (``model=``),
   the run goes to a folder named after that target, so neither run blocks the other."""
-  from eagle_jax import pipeline
-  from eagle_jax.experiment import MethodConfig, ensure_checkpoint
+  from eagle_jax.pipeline import train as pipeline
+  from eagle_jax.evaluation.runner import MethodConfig, ensure_checkpoint
 
   trained = []
   monkeypatch.setattr(pipeline, "run_finished", lambda tcfg: False)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.generate import generate
-from eagle_jax.sampling import SamplingParams
+from eagle_jax.decoding.generate import generate
+from eagle_jax.decoding.sampling import SamplingParams
 
 
 def _teacher_forced_argmax(model, prompt, new):
@@ -34,7 +34,7 @@ def test_ragged_batch_equals_alone_tiny(tiny):
 def test_chunked_prefill_equals_one_pass(tiny, monkeypatch):
   """Prompts wider than the chunk run chunk by chunk (stopping after the longest row): same
   logits, cache, lengths and hidden states at every real position as one pass over all."""
-  gen = sys.modules["eagle_jax.generate"]
+  gen = sys.modules["eagle_jax.decoding.generate"]
   model = tiny()
   lengths = np.array([5, 19, 11])
   tokens = np.zeros((3, 40), np.int32)  # a width that is not a multiple of the chunk
@@ -66,7 +66,7 @@ def test_stop_token_ends_row_and_is_kept(tiny):
 
 def test_stop_sets_share_one_compiled_program(tiny):
   """Stop ids are a traced argument: changing them (up to four) compiles nothing new."""
-  compiled = sys.modules["eagle_jax.generate"]._COMPILED  # the module, not the function
+  compiled = sys.modules["eagle_jax.decoding.generate"]._COMPILED  # the module, not the function
   model = tiny()
   free = generate(model, [[3, 4, 5]], max_new_tokens=10, stop_ids=())
   before = len(compiled)
@@ -87,7 +87,7 @@ def test_decode_loop_updates_cache_in_place(tiny):
   import jax
   from flax import nnx
 
-  gen = sys.modules["eagle_jax.generate"]
+  gen = sys.modules["eagle_jax.decoding.generate"]
   model = tiny()
   tokens, lengths, cache_len, stop = gen.prepare_prompts(model, [[3, 4, 5], [6, 7]], 8, None, (), 0)
   graphdef, state = nnx.split(model)

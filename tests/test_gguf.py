@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from eagle_jax import cli, kernels
-from eagle_jax.gguf_convert import _blocks_of, unpermute_qk
-from eagle_jax.model import KVCache, blocks_of
+from eagle_jax.model.gguf import _blocks_of, unpermute_qk
+from eagle_jax.model.transformer import KVCache, blocks_of
 
 import gguf_reference as ref
 

@@ -8,8 +8,8 @@ transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
 
-from eagle_jax.checkpoints import load_hf_folder  # noqa: E402
-from eagle_jax.generate import generate  # noqa: E402
+from eagle_jax.model.checkpoints import load_hf_folder  # noqa: E402
+from eagle_jax.decoding.generate import generate  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -269,8 +269,8 @@ def test_causal_blocks_equal_reference(parts_kind, t, block):
   seg = np.ones((b, t), np.int32)
   seg[0, t // 3:] = 2  # a second conversation packed into row 0
   seg[1, -5:] = 0  # padding at the end of row 1
-  from eagle_jax.features import segment_mask
-  from eagle_jax.model import bias_from_mask
+  from eagle_jax.training.features import segment_mask
+  from eagle_jax.model.transformer import bias_from_mask
   (kc, vc, bc), (kn, vn, _) = parts
   new = (kn, vn, bias_from_mask(segment_mask(jnp.asarray(seg))))
   parts = [new] if parts_kind == "new only" else [(kc, vc, bc), new]

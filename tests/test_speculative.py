@@ -9,13 +9,13 @@ import pytest
 from flax import nnx
 
 from chi2 import assert_sampling_matches_vanilla, sampling_target
-from eagle_jax.config import tiny_config
+from eagle_jax.model.config import tiny_config
 from eagle_jax.drafters import DraftModelDrafter, PromptLookupDrafter, self_draft_model
-from eagle_jax.drafters.base import Draft
-from eagle_jax.generate import generate
-from eagle_jax.model import Transformer
-from eagle_jax.speculative import acceptance_rates, speculative_generate
-from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
+from eagle_jax.decoding.protocol import Draft
+from eagle_jax.decoding.generate import generate
+from eagle_jax.model.transformer import Transformer
+from eagle_jax.decoding.speculative import acceptance_rates, speculative_generate
+from eagle_jax.decoding.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +87,8 @@ class AlwaysPLD(PromptLookupDrafter):
 
 def test_always_drafting_loop_has_no_plain_step_and_stays_exact(tiny):
   from eagle_jax.drafters import EagleDrafter
-  from eagle_jax.drafters.medusa import MedusaDrafter
-  from eagle_jax.speculative import loop_widths
+  from eagle_jax.drafters.medusa.drafter import MedusaDrafter
+  from eagle_jax.decoding.speculative import loop_widths
 
   target = tiny()
   drafter, dparams = DraftModelDrafter.create(target, gamma=3)
@@ -132,7 +132,7 @@ def test_statistics_count_only_emitted_tokens(tiny):
 
 def test_self_draft_shares_the_targets_lm_head_blocks(tiny):
   """A tied LM head held in integer blocks is the self-draft's LM head too (not the float path)."""
-  from eagle_jax.model import quantize_linears
+  from eagle_jax.model.transformer import quantize_linears
 
   target = tiny(tie_word_embeddings=True)
   quantize_linears(target)
@@ -152,9 +152,9 @@ def test_acceptance_rates_counting():
 
 def test_drafted_depth_counts_only_the_subtree_of_the_accepted_path(tiny):
   """A deeper node on a rejected branch is no attempt below the accepted one (n-alpha)."""
-  from eagle_jax.model import KVCache
-  from eagle_jax.sampling import SamplingParams
-  from eagle_jax.speculative import _target_pass
+  from eagle_jax.model.transformer import KVCache
+  from eagle_jax.decoding.sampling import SamplingParams
+  from eagle_jax.decoding.speculative import _target_pass
 
   model = tiny()
   prompt = jnp.array([[3, 4, 5, 6]], jnp.int32)
@@ -227,7 +227,7 @@ def test_real_model_greedy_lossless_20_prompts(smollm, vanilla20, name):
 
 def test_fastest_ms_warms_up_then_keeps_the_fastest_call(monkeypatch):
   """Two untimed calls (the first compiles), then the fastest of the timed ones."""
-  from eagle_jax import costs
+  from eagle_jax.decoding import costs
 
   clock = iter([0.0, 0.005, 1.0, 1.002, 2.0, 2.009])  # timed calls of 5, 2 and 9 ms
   monkeypatch.setattr(costs, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
@@ -238,7 +238,7 @@ def test_fastest_ms_warms_up_then_keeps_the_fastest_call(monkeypatch):
 
 def test_verify_cost_curve_times_each_size_once_per_process(tiny, monkeypatch):
   """Every tuning after a training and the runner ask for the curve; each size is timed once."""
-  from eagle_jax import costs
+  from eagle_jax.decoding import costs
 
   timed = []
 

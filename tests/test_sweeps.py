@@ -103,9 +103,9 @@ def test_untrained_head_takes_the_trained_heads_drafting_form(sweeps, tiny, bits
   import numpy as np
   from flax import nnx
 
-  from eagle_jax.drafters.eagle import EagleDrafter
-  from eagle_jax.eagle_head import EagleHead, EagleHeadConfig
-  from eagle_jax.model import quantize_linears
+  from eagle_jax.drafters.eagle.drafter import EagleDrafter
+  from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig
+  from eagle_jax.model.transformer import quantize_linears
 
   target = tiny()
   ids = None if vocab is None else np.arange(0, target.config.vocab_size, 2)

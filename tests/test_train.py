@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import tiny_training
-from eagle_jax.features import FeatureShards, pack_shard, segment_mask
-from eagle_jax.train import FAULT_ENV, batch_rows_at, read_metrics
+from eagle_jax.training.features import FeatureShards, pack_shard, segment_mask
+from eagle_jax.training.trainer import FAULT_ENV, batch_rows_at, read_metrics
 
 HERE = os.path.dirname(__file__)
 
@@ -141,7 +141,7 @@ def test_training_reduces_loss(tmp_path, version):
 
 
 def test_sample_positions_weights_estimate_the_mean_over_every_valid_position():
-  from eagle_jax.train import sample_positions
+  from eagle_jax.training.trainer import sample_positions
 
   valid = jnp.array([[1] * 30 + [0] * 2, [1] * 4 + [0] * 28, [0] * 32], bool)
   value = jnp.arange(3 * 32, dtype=jnp.float32).reshape(3, 32)  # differs by row and position
@@ -165,7 +165,7 @@ def test_eagle_loss_on_sampled_positions_estimates_the_loss_on_every_position(tm
 
   from flax import nnx
 
-  from eagle_jax.eagle_train import eagle_loss
+  from eagle_jax.drafters.eagle.train import eagle_loss
 
   feats = str(tmp_path / "features")
   tiny_training.make_features(feats)
@@ -194,7 +194,7 @@ def test_heldout_smaller_than_one_batch_is_refused_before_training(tmp_path):
   import dataclasses
 
   from eagle_jax.errors import EagleJaxError
-  from eagle_jax.train import OptimConfig, train
+  from eagle_jax.training.trainer import OptimConfig, train
 
   feats = str(tmp_path / "features")
   tiny_training.make_features(feats)

@@ -139,7 +139,7 @@ def test_train_errors_are_one_line(trained, tmp_path, capsys):
 
 
 def test_bench_spec_rows_name_their_checkpoints(trained):
-  from eagle_jax.bench_spec import bench_spec
+  from eagle_jax.evaluation.bench_spec import bench_spec
   from eagle_jax.drafters.factory import DrafterOptions
 
   runs, _ = trained
@@ -164,16 +164,16 @@ def test_bench_spec_rows_name_their_checkpoints(trained):
 
 def test_tune_uses_the_runs_own_target_and_heldout_split(tmp_path, monkeypatch, capsys):
   """Budget tuning decodes held-out prompts: those of the run's split, never its training data."""
-  import eagle_jax.pipeline
-  import eagle_jax.registry
+  import eagle_jax.pipeline.train
+  import eagle_jax.model.registry
 
   final = tmp_path / "run" / "final"
   final.mkdir(parents=True)
   (final / "drafter.json").write_text(json.dumps({
       "drafter": "eagle3", "model": "/some/target", "split": {"heldout_fraction": 0.05, "split_seed": 7}}))
   seen = {}
-  monkeypatch.setattr(eagle_jax.registry, "load_model", lambda name: seen.setdefault("model", name))
-  monkeypatch.setattr(eagle_jax.pipeline, "tune_run",
+  monkeypatch.setattr(eagle_jax.model.registry, "load_model", lambda name: seen.setdefault("model", name))
+  monkeypatch.setattr(eagle_jax.pipeline.train, "tune_run",
                       lambda path, lm, cfg: seen.update(cfg=cfg) or {"top_k": 2})
   assert main(["tune", str(tmp_path / "run"), "--top-ks", "2,3"]) == 0
   assert seen["model"] == "/some/target" and seen["cfg"].model == "/some/target"

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, MEDUSA_DEFAULT_CHOICES, TreeSpec, tree_structure
+from eagle_jax.decoding.tree import EAGLE_DEFAULT_CHOICES, MEDUSA_DEFAULT_CHOICES, TreeSpec, tree_structure
 
 
 def test_eagle_default_tree_buffers():

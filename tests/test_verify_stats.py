@@ -1,4 +1,4 @@
-"""Statistical tests of the lossless verify step (eagle_jax.verify.verify).
+"""Statistical tests of the lossless verify step (eagle_jax.decoding.verify.verify).
 
 A tiny synthetic target over V tokens: an order-2 table, the target's logits after context
 (..., a, b) are ``table[a, b]``. Per sample, each round drafts a tree rooted at the last
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.sampling import SamplingParams, probabilities
-from eagle_jax.tree import TreeSpec
-from eagle_jax.verify import Verdict, verify
+from eagle_jax.decoding.sampling import SamplingParams, probabilities
+from eagle_jax.decoding.tree import TreeSpec
+from eagle_jax.decoding.verify import Verdict, verify
 
 V = 8
 N = 100_000

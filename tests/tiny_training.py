@@ -9,12 +9,12 @@ import sys
 import numpy as np
 from flax import nnx
 
-from eagle_jax.config import tiny_config
-from eagle_jax.eagle_head import EagleHeadConfig, Frozen
-from eagle_jax.eagle_train import EagleTask
-from eagle_jax.features import FeatureShards, FeatureSpec, extract_features
-from eagle_jax.model import Transformer
-from eagle_jax.train import LoopConfig, OptimConfig, train
+from eagle_jax.model.config import tiny_config
+from eagle_jax.drafters.eagle.head import EagleHeadConfig, Frozen
+from eagle_jax.drafters.eagle.train import EagleTask
+from eagle_jax.training.features import FeatureShards, FeatureSpec, extract_features
+from eagle_jax.model.transformer import Transformer
+from eagle_jax.training.trainer import LoopConfig, OptimConfig, train
 
 SPEC = FeatureSpec(model="tiny", row_len=32, max_len=24, layers=(0, 1, 2), rows_per_shard=4,
                    batch_rows=2)
@@ -55,7 +55,7 @@ def run(features, run_dir, version=1):
 
 
 if __name__ == "__main__":
-  from eagle_jax.exported import export_drafter
+  from eagle_jax.drafters.storage import export_drafter
 
   result = run(sys.argv[1], sys.argv[2])
   export_drafter(result.module, sys.argv[2] + "/final", {"drafter": "eagle1", "steps": result.steps})

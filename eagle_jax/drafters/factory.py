@@ -5,10 +5,18 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from eagle_jax.drafters.draft_model import DraftModelDrafter, self_draft_model
+from eagle_jax.decoding.costs import verify_cost_curve
+from eagle_jax.decoding.tree import EAGLE_DEFAULT_CHOICES, MEDUSA_DEFAULT_CHOICES, TreeSpec
+from eagle_jax.drafters.draft_model.drafter import DraftModelDrafter, self_draft_model
+from eagle_jax.drafters.eagle.drafter import EagleDrafter
+from eagle_jax.drafters.eagle.train import top_tokens
+from eagle_jax.drafters.medusa.drafter import MedusaDrafter
+from eagle_jax.drafters.medusa.heads import best_tree
 from eagle_jax.drafters.pld import PromptLookupDrafter, check_widths
+from eagle_jax.drafters.storage import load_drafter, load_head, load_token_counts, read_meta
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model import Transformer, quantize_linears
+from eagle_jax.model.registry import load_model
+from eagle_jax.model.transformer import Transformer, quantize_linears
 
 DRAFTERS = ("vanilla", "pld", "pld-static", "draft-model", "self-draft", "medusa", "eagle1", "eagle2", "eagle3")
 EAGLE_VERSION = {"eagle1": 1, "eagle2": 1, "eagle3": 3}  # EAGLE-2 drafts with EAGLE-1 weights
@@ -134,8 +142,6 @@ def make_drafter(name: str, target: Transformer, options: DrafterOptions = Draft
   if name == "medusa":
     return make_medusa(target, options, model)
   if name == "draft-model":
-    from eagle_jax.registry import load_model
-
     path = options.draft_model or find_checkpoint(name, options.runs_dir, model)
     if os.path.isfile(os.path.join(path, "final", "drafter.json")):  # a training run's folder
       path = os.path.join(path, "final")
@@ -157,8 +163,6 @@ def prompt_lookup(target: Transformer, options: DrafterOptions,
   PromptLookupDrafter(gamma=gamma, min_ngram=options.pld_min_ngram, max_ngram=options.pld_max_ngram)
   costs = ()
   if widths:
-    from eagle_jax.costs import verify_cost_curve
-
     curve = verify_cost_curve(target, sizes=(1,) + tuple(w + 1 for w in widths))
     costs = tuple(round(curve[w + 1] / curve[1], 3) for w in widths)
   return PromptLookupDrafter(gamma=gamma, min_ngram=options.pld_min_ngram,
@@ -168,8 +172,6 @@ def prompt_lookup(target: Transformer, options: DrafterOptions,
 
 def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
   """The trained run in ``runs_dir`` for drafter ``name`` with the most training tokens."""
-  from eagle_jax.exported import read_meta
-
   want = {"eagle2": "eagle1"}.get(name, name)
   best = None
   if os.path.isdir(runs_dir):
@@ -191,10 +193,6 @@ def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
 
 
 def make_eagle(name: str, target: Transformer, options: DrafterOptions, model: str | None = None):
-  from eagle_jax.drafters.eagle import EagleDrafter
-  from eagle_jax.exported import load_head
-  from eagle_jax.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
-
   path = options.draft_model or find_checkpoint(name, options.runs_dir, model)
   head, meta = load_head(path)
   if head.config.version != EAGLE_VERSION[name]:
@@ -230,9 +228,6 @@ def head_bits(options: DrafterOptions, tuned: dict) -> int:
 
 def draft_vocab_ids(path: str, target: Transformer, size: int):
   """The ``size`` most frequent training-reply tokens of the head at ``path`` (EOS included)."""
-  from eagle_jax.eagle_train import top_tokens
-  from eagle_jax.exported import load_token_counts
-
   counts = load_token_counts(path, target.config.vocab_size)
   return top_tokens(counts, size, always=target.config.eos_token_ids)
 
@@ -241,11 +236,6 @@ def make_medusa(target: Transformer, options: DrafterOptions, model: str | None 
   """Medusa heads with the tree budget tuned after training (``total_tokens`` nodes of the
   best tree for the held-out rank accuracies, if given), or Medusa's 63-node default tree
   (``tree="default"``, or when the checkpoint carries no tuning)."""
-  from eagle_jax.drafters.medusa import MedusaDrafter
-  from eagle_jax.exported import load_drafter
-  from eagle_jax.medusa import best_tree
-  from eagle_jax.tree import MEDUSA_DEFAULT_CHOICES, TreeSpec
-
   path = options.draft_model or find_checkpoint("medusa", options.runs_dir, model)
   heads, meta = load_drafter(path, ("medusa",))
   if head_bits(options, meta.get("budget", {})) == 8:

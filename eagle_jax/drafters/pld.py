@@ -14,7 +14,7 @@ were drafted (one pending "shadow" continuation per row, resolved over the follo
 so a bucket that stopped drafting keeps learning. Each step a row drafts the width ``w`` (from
 ``widths``, or nothing) maximising expected tokens per cost, ``(1 + E[min(accepted, w)]) /
 costs[w]``, against ``1 / 1`` for a plain step; ``costs`` are verify costs relative to a
-one-token pass, measured on the machine (:func:`eagle_jax.costs.verify_cost_curve`). Output
+one-token pass, measured on the machine (:func:`eagle_jax.decoding.costs.verify_cost_curve`). Output
 stays exactly the target's: only what is drafted changes, never how it is verified.
 """
 
@@ -26,7 +26,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.drafters.base import Accepted, ChainDrafter, Draft, is_width_ladder
+from eagle_jax.decoding.protocol import Accepted, ChainDrafter, Draft, is_width_ladder
 from eagle_jax.errors import EagleJaxError
 
 

@@ -7,19 +7,19 @@ routine that is 2-3x slower per byte of weights at these shapes, so verifying ev
 cost about twice a one-token pass. ``small_matmul.cc`` reads each weight row once for all rows
 of ``x`` and splits the output rows over one thread per core (its own small worker pool).
 
-How it is used: :func:`linear` is the product every :class:`eagle_jax.model.Linear` and the tied
+How it is used: :func:`linear` is the product every :class:`eagle_jax.model.transformer.Linear` and the tied
 LM head run. It calls a kernel (an XLA FFI custom call) only for float32 activations, 2-16 rows
 (1-32 with integer blocks, below), when lowering for the CPU (``jax.lax.platform_dependent``; GPUs and TPUs get ``einsum``); gradients
 use ``einsum`` (``jax.custom_vjp``); ``jax.vmap`` over ``x`` is supported. The kernel is
 compiled with the machine's C++ compiler (``$CXX``, default ``g++``; ``-O3 -march=native``)
 on first use into ``<cache dir>/kernels/`` (``EAGLE_JAX_CACHE``, see
-:func:`eagle_jax.registry.cache_dir`), keyed by its source, jaxlib's version and the CPU; where it
+:func:`eagle_jax.paths.cache_dir`), keyed by its source, jaxlib's version and the CPU; where it
 cannot be built, a one-line notice says why and ``einsum`` is used. ``EAGLE_JAX_CPU_KERNELS=0``
 turns it off (the A/B switch for benchmarks).
 
 Integer weights: a checkpoint stored in GGUF's block formats (Q4_0, Q4_1, Q8_0: 32 weights per
 block, ``w = scale * q + offset``) keeps those blocks next to its float32 weights (:class:`Blocks`,
-set on a :class:`~eagle_jax.model.Linear` by the loader). For 1-32 rows :func:`linear` then
+set on a :class:`~eagle_jax.model.transformer.Linear` by the loader). For 1-32 rows :func:`linear` then
 reads the blocks instead of the float32 matrix: a quarter (8-bit) or about a sixth (4-bit) of the
 bytes, expanded in registers to exactly the float32 weights the checkpoint's own dequantization
 gives, so results equal the float32 product up to summation order. Each
@@ -54,9 +54,11 @@ import sys
 
 import flax
 import jax
-import jaxlib
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
+
+from eagle_jax.paths import cache_dir
 
 MIN_ROWS, MAX_ROWS = 2, 16  # float32: one row is XLA's own fast matrix-vector product
 # Integer blocks up to this many rows (a verify pass over EAGLE's 25-node tree is 26): the kernel
@@ -80,8 +82,6 @@ def _cpu_id() -> str:
 
 
 def _build() -> str:
-  from eagle_jax.registry import cache_dir
-
   cxx = shlex.split(os.environ.get("CXX", "g++"))
   flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
            "-I" + jax.ffi.include_dir()]

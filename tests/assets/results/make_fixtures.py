@@ -8,7 +8,7 @@ table.md) and ``sweep-{budget,batch,temperature,alignment}/sweep.json``. As in t
 summary, each method has its "drafter" and "checkpoint" next to its "T<temperature>" entries.
 Numbers are synthetic but consistent: every summary entry backed by a records file
 (vanilla-T0.0, eagle2-T0.0, eagle2-T1.0) is computed from it with the runner's conventions
-(tau = mean accepted + 1 per verify step; n-alpha as ``eagle_jax.speculative.acceptance_rates``).
+(tau = mean accepted + 1 per verify step; n-alpha as ``eagle_jax.decoding.speculative.acceptance_rates``).
 """
 
 import json
