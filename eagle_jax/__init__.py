@@ -9,7 +9,8 @@ from eagle_jax.decoding.generate import Generation, generate
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.speculative import SpecGeneration, speculative_generate
 from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig
-from eagle_jax.drafters.storage import load_drafter, load_head
+from eagle_jax.drafters.eagle.kind import load_head
+from eagle_jax.drafters.registry import load_drafter
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.config import ModelConfig, RopeScaling, tiny_config
 from eagle_jax.model.registry import DEFAULT_MODEL, LoadedModel, load_model

@@ -9,13 +9,13 @@ import sys
 from eagle_jax.decoding.generate import generate
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.speculative import speculative_generate
+from eagle_jax.drafters import registry
 from eagle_jax.drafters.draft_model.train import (
   DraftModelConfig,
   predicted_speedup,
   time_draft_sizes,
 )
-from eagle_jax.drafters.factory import DRAFTERS, DrafterOptions, check_options, make_drafter
-from eagle_jax.drafters.storage import read_meta
+from eagle_jax.drafters.kinds import Context, flag_of
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation.bench_decode import bench_decode
 from eagle_jax.evaluation.bench_spec import bench_spec
@@ -23,14 +23,8 @@ from eagle_jax.evaluation.demo import run_demo
 from eagle_jax.evaluation.runner import run_experiment
 from eagle_jax.evaluation.tables import render
 from eagle_jax.model.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
-from eagle_jax.pipeline.train import (
-  DataConfig,
-  TrainConfig,
-  TuneConfig,
-  run_training,
-  tune_medusa,
-  tune_run,
-)
+from eagle_jax.pipeline.train import run_training, tune_checkpoint
+from eagle_jax.training.settings import TuneConfig
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -59,11 +53,11 @@ def _cmd_generate(args) -> None:
   params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
   if not args.message.strip():
     raise EagleJaxError("empty prompt: give a non-empty user message")
-  options = _drafter_options(args)
-  check_options(args.drafter, options)  # before loading anything
+  # before loading anything
+  options = registry.make_options(args.drafter, _set_options(args), _context_set(args))
   lm = load_model(args.model)
   prompt = lm.tokenizer.chat_prompt(args.message)
-  drafter, dparams = make_drafter(args.drafter, lm.model, options, args.model)
+  drafter, dparams = registry.build(args.drafter, lm.model, options, _context(args, args.model))
   common = dict(max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
                 max_cache_len=args.max_cache_len)
   if drafter is None:
@@ -98,11 +92,12 @@ def _cmd_bench_decode(args) -> None:
 
 
 def _cmd_bench_spec(args) -> None:
-  options = _drafter_options(args)
   methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
   result = bench_spec(model=args.model, methods=methods, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      options=options, with_hf=not args.no_hf, repeats=args.repeats)
+                      options=_set_options(args), checkpoint=args.drafter_ckpt,
+                      runs_dir=args.runs_dir or "runs", with_hf=not args.no_hf,
+                      repeats=args.repeats)
   print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -134,18 +129,11 @@ def _cmd_table(args) -> None:
 
 
 def _cmd_tune(args) -> None:
-  meta = read_meta(args.checkpoint)
-  # the run's own target and held-out split, so the prompts tuned on were never trained on
-  model = args.model or meta.get("model", DEFAULT_MODEL)
-  lm = load_model(model)
-  cfg = TrainConfig(name="tune", drafter="eagle1", model=model, data=DataConfig(**meta.get("split", {})),
-                    tune=TuneConfig(prompts=args.prompts, top_ks=args.top_ks, depths=args.depths,
-                                    max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
-                                    draft_vocabs=args.draft_vocabs, head_bits=args.head_bits))
-  if meta.get("drafter") == "medusa":
-    result = tune_medusa(args.checkpoint, lm, cfg)
-  else:
-    result = tune_run(args.checkpoint, lm, cfg)
+  # on the run's own target and held-out split, so the prompts tuned on were never trained on
+  tune = TuneConfig(prompts=args.prompts, top_ks=args.top_ks, depths=args.depths,
+                    max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
+                    draft_vocabs=args.draft_vocabs, head_bits=args.head_bits)
+  result = tune_checkpoint(args.checkpoint, tune, args.model)
   print(json.dumps({k: v for k, v in result.items() if k not in ("by_setting", "rows", "tree")}))
 
 
@@ -154,52 +142,32 @@ def _cmd_demo(args) -> None:
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--gamma", type=int, default=0, help="draft length (0 = drafter default)")
-  p.add_argument("--pld-min-ngram", type=int, default=2)
-  p.add_argument("--pld-max-ngram", type=int, default=3)
-  p.add_argument("--pld-widths", type=_int_list, default=(),
-                 help="pld: draft widths it chooses from by cost, e.g. 3,8 (default: 3 and gamma); "
-                 "pld-static drafts every match at gamma")
+  """One flag per option of the drafter registry (unset = the drafter's default)."""
+  for name, f in registry.option_fields().items():
+    kind = registry.option_types()[name]
+    parse = _int_list if kind == tuple[int, ...] else int if kind is int else str
+    p.add_argument(flag_of(f), dest=f"opt_{name}", type=parse, default=None,
+                   choices=f.metadata.get("choices"),
+                   help=f"{', '.join(registry.readers(name))}: {f.metadata['help']}")
   p.add_argument("--drafter-ckpt", default=None,
-                 help="draft-model: a trained run folder, registered name, HF folder or .gguf "
-                 "sharing the tokenizer; medusa, eagle1/2/3: a trained run folder or its final/ "
-                 "(default: the trained run with most tokens in --runs-dir)")
-  p.add_argument("--runs-dir", default="runs", help="where trained drafters are found")
-  p.add_argument("--top-k-tree", type=int, default=0, help="eagle2/3 dynamic tree: nodes expanded per depth")
-  p.add_argument("--depth", type=int, default=0, help="eagle2/3 dynamic tree depth")
-  p.add_argument("--total-tokens", type=int, default=0,
-                 help="eagle2/3 dynamic tree node budget; medusa: nodes of the best static tree")
-  p.add_argument("--tree", default="", choices=("", "default"),
-                 help="default = the paper's static tree (eagle1/2/3: 25 nodes, medusa: 63 nodes) "
-                 "instead of the tuned budget")
-  p.add_argument("--draft-vocab", type=int, default=-1,
-                 help="eagle1/2: draft only the K most frequent training-reply tokens, through "
-                 "their rows of the target's LM head (0 = whole vocabulary; default: eagle2's "
-                 "tuned value, else whole)")
-  p.add_argument("--head-bits", type=int, default=-1, choices=(-1, 0, 8),
-                 help="eagle1/2/3, medusa, draft-model: the drafter's weights (Medusa: its output "
-                 "layers; a draft model: every float32 matrix and its tied embedding) as 8-bit "
-                 "blocks (8) or float32 as trained (0); default: the tuned value (eagle2, eagle3, "
-                 "medusa), else 0")
-  p.add_argument("--self-draft-layers", type=int, default=0,
-                 help="self-draft: target layers used as the draft (0 = a third)")
+                 help="trained drafters: a trained run folder or its final/; draft-model also a "
+                 "registered name, HF folder or .gguf sharing the tokenizer (default: the trained "
+                 "run with most tokens in --runs-dir)")
+  p.add_argument("--runs-dir", default=None, help="where trained drafters are found (default: runs)")
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-  try:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+def _set_options(args) -> dict:
+  return {name: getattr(args, f"opt_{name}") for name in registry.option_fields()
+          if getattr(args, f"opt_{name}") is not None}
 
 
-def _drafter_options(args):
-  return DrafterOptions(gamma=args.gamma, pld_min_ngram=args.pld_min_ngram,
-                        pld_max_ngram=args.pld_max_ngram, pld_widths=args.pld_widths,
-                        draft_model=args.drafter_ckpt,
-                        self_draft_layers=args.self_draft_layers, top_k=args.top_k_tree,
-                        depth=args.depth, total_tokens=args.total_tokens, tree=args.tree,
-                        draft_vocab=args.draft_vocab, head_bits=args.head_bits,
-                        runs_dir=args.runs_dir)
+def _context(args, model: str) -> Context:
+  return Context(model=model, checkpoint=args.drafter_ckpt, runs_dir=args.runs_dir or "runs")
+
+
+def _context_set(args) -> tuple[str, ...]:
+  return tuple(c for c, v in (("checkpoint", args.drafter_ckpt), ("runs_dir", args.runs_dir))
+               if v is not None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--max-cache-len", type=int, default=None, help="default: model context length")
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  g.add_argument("--drafter", default="vanilla", choices=DRAFTERS,
+  g.add_argument("--drafter", default="vanilla", choices=registry.NAMES,
                  help="speculative drafter (vanilla = plain decoding)")
   _add_drafter_args(g)
   g.set_defaults(func=_cmd_generate)
@@ -236,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
   bs = bsub.add_parser("spec", help="drafters vs vanilla: tau, n-alpha, speedup, verify cost")
   bs.add_argument("--model", default=DEFAULT_MODEL)
   bs.add_argument("--methods", default="vanilla,pld,pld-static,self-draft",
-                  help=f"comma-separated, vanilla first; from: {', '.join(DRAFTERS)}; a method "
+                  help=f"comma-separated, vanilla first; from: {', '.join(registry.NAMES)}; a method "
                   "may set drafter options for its row: eagle2:draft_vocab=8192:top_k=4")
   bs.add_argument("--num-prompts", type=int, default=16)
   bs.add_argument("--max-new-tokens", type=int, default=128)

@@ -30,13 +30,14 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from eagle_jax.drafters.eagle.tune import draft_cost_ms
+from eagle_jax.decoding.costs import draft_cost_ms
 from eagle_jax.decoding.costs import predict_speedup, verify_cost_curve
 from eagle_jax.drafters.eagle.drafter import EagleDrafter
 from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.transformer import Linear, quantize_linears
-from eagle_jax.evaluation.runner import (TRAINED, EvalConfig, ExperimentConfig, MethodConfig,
+from eagle_jax.drafters.registry import TRAINED
+from eagle_jax.evaluation.runner import (EvalConfig, ExperimentConfig, MethodConfig,
                                   build_prompts, drafter_for, ensure_checkpoint, questions_for,
                                   run_unit)
 from eagle_jax.model.registry import DEFAULT_MODEL, enable_compilation_cache, load_model

@@ -126,10 +126,11 @@ def test_drafter_options_the_drafter_would_ignore_are_refused(capsys, argv, expe
 
 
 def test_drafter_options_refuse_negative_bits_from_python():
-  from eagle_jax.drafters.factory import DrafterOptions
+  from eagle_jax.drafters.registry import KINDS
 
-  with pytest.raises(EagleJaxError, match="--head-bits must be >= 0 \\(or -1"):
-    DrafterOptions(head_bits=-3)
+  for kind in ("eagle1", "eagle2", "eagle3", "medusa", "draft-model"):
+    with pytest.raises(EagleJaxError, match="--head-bits must be >= 0 \\(or -1"):
+      KINDS[kind].options(head_bits=-3)
 
 
 def test_draft_size_timing_needs_a_positive_gamma(tiny):

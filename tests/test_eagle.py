@@ -229,24 +229,27 @@ def test_top_tokens_and_exported_counts(tmp_path):
 
 
 def test_method_spec_sets_drafter_options_per_row():
-  from eagle_jax.drafters.factory import DrafterOptions, method_spec
+  from eagle_jax.drafters.registry import get, method_spec
 
-  base = DrafterOptions(runs_dir="r")
-  assert method_spec("eagle2", base) == ("eagle2", base)
-  name, opts = method_spec("eagle2:draft_vocab=8192:top_k=4", base)
-  assert name == "eagle2" and opts.draft_vocab == 8192 and opts.top_k == 4 and opts.runs_dir == "r"
-  assert method_spec("pld:pld_widths=3/8", base)[1].pld_widths == (3, 8)
-  assert method_spec("eagle1:draft_model=runs/x", base)[1].draft_model == "runs/x"
+  assert method_spec("eagle2") == ("eagle2", {})
+  name, values = method_spec("eagle2:draft_vocab=8192:top_k=4")
+  assert name == "eagle2" and values == {"draft_vocab": 8192, "top_k": 4}
+  opts = get(name).make_options(values)
+  assert (opts.draft_vocab, opts.top_k, opts.depth) == (8192, 4, 0)
+  assert method_spec("pld:pld_widths=3/8")[1] == {"pld_widths": (3, 8)}
+  assert method_spec("eagle1:checkpoint=runs/x")[1] == {"checkpoint": "runs/x"}
   with pytest.raises(EagleJaxError, match="expected NAME:key=value"):
-    method_spec("eagle2:vocab=3", base)
+    method_spec("eagle2:vocab=3")
   with pytest.raises(EagleJaxError, match="top_k takes an integer"):
-    method_spec("eagle2:top_k=many", base)
+    method_spec("eagle2:top_k=many")
   with pytest.raises(EagleJaxError, match="unknown drafter 'eagle9'"):
-    method_spec("eagle9:top_k=2", base)
+    method_spec("eagle9:top_k=2")
   with pytest.raises(EagleJaxError, match="'eagle3:draft_vocab=8192': draft_vocab not used by eagle3"):
-    method_spec("eagle3:draft_vocab=8192", base)
+    method_spec("eagle3:draft_vocab=8192")
   with pytest.raises(EagleJaxError, match="top_k not used by pld"):
-    method_spec("pld:top_k=4", base)
+    method_spec("pld:top_k=4")
+  with pytest.raises(EagleJaxError, match="checkpoint not used by pld"):
+    method_spec("pld:checkpoint=runs/x")
 
 
 def test_dynamic_tree_depth_capped_at_its_node_budget(tiny):

@@ -1,6 +1,7 @@
 """``eagle-jax train`` end to end on the real default model (tiny budget), then decoding with it."""
 
 import json
+import types
 
 import pytest
 
@@ -140,11 +141,10 @@ def test_train_errors_are_one_line(trained, tmp_path, capsys):
 
 def test_bench_spec_rows_name_their_checkpoints(trained):
   from eagle_jax.evaluation.bench_spec import bench_spec
-  from eagle_jax.drafters.factory import DrafterOptions
 
   runs, _ = trained
   out = bench_spec("smollm2-135m-instruct", methods=("vanilla", "pld", "medusa", "draft-model"),
-                   num_prompts=2, max_new_tokens=8, options=DrafterOptions(runs_dir=str(runs)),
+                   num_prompts=2, max_new_tokens=8, runs_dir=str(runs),
                    with_hf=False, repeats=1)
   rows = out["methods"]
   assert rows["pld"]["tree"] == "chain of 3, 8 (cost-aware)"
@@ -164,18 +164,25 @@ def test_bench_spec_rows_name_their_checkpoints(trained):
 
 def test_tune_uses_the_runs_own_target_and_heldout_split(tmp_path, monkeypatch, capsys):
   """Budget tuning decodes held-out prompts: those of the run's split, never its training data."""
+  import dataclasses
+
   import eagle_jax.pipeline.train
-  import eagle_jax.model.registry
+  from eagle_jax.drafters import registry
 
   final = tmp_path / "run" / "final"
   final.mkdir(parents=True)
   (final / "drafter.json").write_text(json.dumps({
       "drafter": "eagle3", "model": "/some/target", "split": {"heldout_fraction": 0.05, "split_seed": 7}}))
   seen = {}
-  monkeypatch.setattr(eagle_jax.model.registry, "load_model", lambda name: seen.setdefault("model", name))
-  monkeypatch.setattr(eagle_jax.pipeline.train, "tune_run",
-                      lambda path, lm, cfg: seen.update(cfg=cfg) or {"top_k": 2})
+  monkeypatch.setattr(eagle_jax.pipeline.train, "load_model",
+                      lambda name: seen.setdefault("model", name) and types.SimpleNamespace(tokenizer=None))
+  monkeypatch.setattr(eagle_jax.pipeline.train, "heldout_prompts",
+                      lambda tok, count, data: seen.setdefault("data", data) and [[1, 2]])
+  kind = registry.KINDS["eagle3"]
+  fake = lambda path, lm, tune, prompts, metrics: seen.update(tune=tune, prompts=prompts) or {"top_k": 2}
+  monkeypatch.setitem(registry.KINDS, "eagle3", dataclasses.replace(
+      kind, trainable=dataclasses.replace(kind.trainable, tune=fake)))
   assert main(["tune", str(tmp_path / "run"), "--top-ks", "2,3"]) == 0
-  assert seen["model"] == "/some/target" and seen["cfg"].model == "/some/target"
-  assert (seen["cfg"].data.heldout_fraction, seen["cfg"].data.split_seed) == (0.05, 7)
-  assert seen["cfg"].tune.top_ks == (2, 3)
+  assert seen["model"] == "/some/target" and seen["prompts"] == [[1, 2]]
+  assert (seen["data"].heldout_fraction, seen["data"].split_seed) == (0.05, 7)
+  assert seen["tune"].top_ks == (2, 3)

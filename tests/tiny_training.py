@@ -55,7 +55,7 @@ def run(features, run_dir, version=1):
 
 
 if __name__ == "__main__":
-  from eagle_jax.drafters.storage import export_drafter
+  from eagle_jax.drafters.registry import export_drafter
 
   result = run(sys.argv[1], sys.argv[2])
-  export_drafter(result.module, sys.argv[2] + "/final", {"drafter": "eagle1", "steps": result.steps})
+  export_drafter("eagle1", result.module, sys.argv[2] + "/final", {"steps": result.steps}, lm=None)

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax.decoding.sampling import greedy_token
+from eagle_jax.decoding.generate import features_of
+from eagle_jax.decoding.protocol import Accepted
+from eagle_jax.decoding.sampling import SamplingParams, greedy_token
 from eagle_jax.model.transformer import KVCache
 
 _VERIFY_MS: dict = {}  # per process: (architecture, dtype, backend, prefix, repeats, n) -> ms
@@ -176,3 +178,23 @@ def predict_speedup(accepted, drafted, curve: dict[int, float], *, widths, draft
     ms += draft_ms + (interp_ms(curve, width(d) + 1) if d > 0 else curve[1])
     tokens += (chain_tokens(alpha, d) if chain else a + 1) if d > 0 else 1
   return tokens * curve[1] / ms, alpha
+
+
+def draft_cost_ms(drafter, dparams, target, prompt, repeats: int = 10) -> float:
+  """Fastest ms (after a warm-up) of one ``update`` (a full accepted path) + ``propose`` of the
+  drafter."""
+  b, d = 1, drafter.max_depth
+  p = jnp.asarray([prompt], jnp.int32)
+  out = target(p, jnp.arange(p.shape[1])[None], None, return_layers=drafter.feature_layers)
+  feats = features_of(out, drafter.feature_layers)
+  state = drafter.init(dparams, p, jnp.array([p.shape[1]]), feats, jnp.array([1]),
+                       p.shape[1] + 256)
+  acc = Accepted(tokens_BxK=jnp.ones((b, d + 1), jnp.int32), count_B=jnp.array([d + 1]),
+                 features_BxKxD=jnp.broadcast_to(feats[:, -1:], (b, d + 1, feats.shape[-1])))
+
+  @jax.jit
+  def step(dparams, state, acc):
+    state = drafter.update(dparams, state, acc)
+    return drafter.propose(dparams, state, acc.tokens_BxK[:, 0], jax.random.key(0), SamplingParams())
+
+  return fastest_ms(step, dparams, state, acc, repeats=repeats)

@@ -70,11 +70,18 @@ class SpecGeneration:
 
   @property
   def tau(self) -> float:
-    steps = [a for row in self.accepted for a in row]
-    return float(np.mean(steps) + 1) if steps else float("nan")
+    return tau(self.accepted)
 
   def n_alpha(self, max_n: int | None = None) -> list[float]:
     return acceptance_rates(self.accepted, self.drafted_depth, max_n)
+
+
+def tau(accepted) -> float:
+  """Tokens per target verify pass, the bonus token included, the prefill excluded: 1 + the
+  mean accepted draft tokens per step, from per-row lists of per-step accepted counts (NaN
+  without a verify step)."""
+  steps = [a for row in accepted for a in row]
+  return float(np.mean(steps) + 1) if steps else float("nan")
 
 
 def acceptance_rates(accepted, drafted, max_n=None) -> list[float]:

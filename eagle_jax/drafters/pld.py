@@ -26,7 +26,9 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from eagle_jax.decoding.costs import verify_cost_curve
 from eagle_jax.decoding.protocol import Accepted, ChainDrafter, Draft, is_width_ladder
+from eagle_jax.drafters.kinds import DrafterKind, check_nonnegative, option
 from eagle_jax.errors import EagleJaxError
 
 
@@ -189,3 +191,52 @@ class PromptLookupDrafter(ChainDrafter):
         shadow_len_B=jnp.where(resolved_B, 0, state.shadow_len_B),
         shadow_hit_B=jnp.where(resolved_B, 0, jnp.where(pending_B, hit_B, state.shadow_hit_B)),
         copying_B=copying_B)
+
+
+# -- the kinds: pld (cost-aware widths) and pld-static (every match at full gamma) -----------
+
+_GAMMA = "draft length (chain)"
+
+
+@dataclasses.dataclass(frozen=True)
+class PldStaticOptions:
+  gamma: int = option(8, _GAMMA)
+  pld_min_ngram: int = option(2, "shortest n-gram matched")
+  pld_max_ngram: int = option(3, "longest n-gram matched (tried first)")
+
+  def __post_init__(self):
+    check_nonnegative(self, "gamma", "pld_min_ngram", "pld_max_ngram")
+
+
+@dataclasses.dataclass(frozen=True)
+class PldOptions(PldStaticOptions):
+  pld_widths: tuple[int, ...] = option((), "draft widths it chooses from by cost, e.g. 3,8 "
+                                       "(default: 3 and gamma)")
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_widths(self.pld_widths, self.gamma)
+
+
+def build_pld(target, options: PldStaticOptions, context=None) -> tuple:
+  """Prompt lookup: ``pld`` picks its draft width from verify costs measured on this machine
+  and the acceptance it has seen; ``pld-static`` drafts every match at full ``gamma``."""
+  gamma = options.gamma or 8
+  widths = ()
+  if isinstance(options, PldOptions):
+    widths = options.pld_widths or tuple(sorted({min(3, gamma), gamma}))
+  check_widths(widths, gamma)  # before timing verify passes for them
+  PromptLookupDrafter(gamma=gamma, min_ngram=options.pld_min_ngram, max_ngram=options.pld_max_ngram)
+  costs = ()
+  if widths:
+    curve = verify_cost_curve(target, sizes=(1,) + tuple(w + 1 for w in widths))
+    costs = tuple(round(curve[w + 1] / curve[1], 3) for w in widths)
+  return PromptLookupDrafter(gamma=gamma, min_ngram=options.pld_min_ngram,
+                             max_ngram=options.pld_max_ngram, widths=tuple(widths),
+                             costs=costs), None
+
+
+PLD = DrafterKind("pld", "prompt lookup, draft width chosen by measured verify cost",
+                  PldOptions, build_pld)
+PLD_STATIC = DrafterKind("pld-static", "prompt lookup, every match drafted at full gamma",
+                         PldStaticOptions, build_pld)

@@ -1,13 +1,13 @@
 """Trained drafters on disk: the ``final/`` folder a training run exports.
 
 Every exported drafter has ``drafter.json``: ``{"drafter": KIND, "model": TARGET, "steps",
-"train_tokens", ...}`` plus what its kind needs:
+"train_tokens", ...}`` plus what its kind writes (:class:`eagle_jax.drafters.kinds.Trainable`):
 
-- ``eagle1`` / ``eagle3`` / ``medusa``: ``"head"`` (the module's config) and
-  ``params.safetensors`` (flat NNX state names); tuned budgets under ``"budget"``.
-- ``eagle1`` / ``eagle3`` also keep ``token_counts.npy``: how often each target id occurs in
-  the training replies, from which EAGLE-1/2 draft vocabularies are cut (``--draft-vocab``).
-- ``draft-model``: a complete Hugging Face folder (``config.json``, ``model.safetensors``,
+- heads (EAGLE-1, EAGLE-3, Medusa): ``"head"`` (the module's config) and ``params.safetensors``
+  (flat NNX state names, :func:`save_params`); tuned budgets under ``"budget"``;
+- EAGLE heads also keep ``token_counts.npy``: how often each target id occurs in the training
+  replies, from which draft vocabularies are cut (``--draft-vocab``);
+- a draft model: a complete Hugging Face folder (``config.json``, ``model.safetensors``,
   tokenizer files), loadable by any Llama-family loader, ours included.
 
 ``--drafter-ckpt`` accepts the ``final/`` folder or its run folder.
@@ -23,14 +23,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig
-from eagle_jax.drafters.medusa.heads import MedusaConfig, MedusaHeads
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model.checkpoints import save_hf_folder
-from eagle_jax.model.registry import load_model
-
-HEAD_KINDS = ("eagle1", "eagle3", "medusa")
-TRAINABLE = HEAD_KINDS + ("draft-model",)
 
 
 def final_folder(path: str) -> str:
@@ -64,19 +57,6 @@ def write_meta(folder: str, meta: dict) -> None:
   os.replace(tmp, path)
 
 
-def export_drafter(module, folder: str, meta: dict, tokenizer_folder: str | None = None) -> None:
-  """Writes the trained ``module`` of kind ``meta["drafter"]`` to ``folder``."""
-  os.makedirs(folder, exist_ok=True)
-  if meta["drafter"] == "draft-model":
-    save_hf_folder(module, folder, tokenizer_folder)
-    write_meta(folder, meta)
-    return
-  flat = {".".join(str(p) for p in path): np.asarray(v[...])
-          for path, v in nnx.to_flat_state(nnx.state(module))}
-  save_file(flat, os.path.join(folder, "params.safetensors"))
-  write_meta(folder, {**meta, "head": module.config.to_dict()})
-
-
 def save_token_counts(folder: str, counts: np.ndarray) -> None:
   np.save(os.path.join(folder, "token_counts.npy"), np.asarray(counts, np.int64))
 
@@ -93,24 +73,15 @@ def load_token_counts(path: str, vocab: int) -> np.ndarray:
   return counts
 
 
-def _head_module(kind: str, config: dict):
-  if kind == "medusa":
-    cfg = MedusaConfig.from_dict(config)
-    return nnx.eval_shape(lambda: MedusaHeads(cfg, rngs=nnx.Rngs(0)))
-  cfg = EagleHeadConfig.from_dict(config)
-  return nnx.eval_shape(lambda: EagleHead(cfg, rngs=nnx.Rngs(0)))
+def save_params(module, folder: str) -> None:
+  """Writes ``module``'s state to ``folder/params.safetensors`` under its flat NNX names."""
+  flat = {".".join(str(p) for p in path): np.asarray(v[...])
+          for path, v in nnx.to_flat_state(nnx.state(module))}
+  save_file(flat, os.path.join(folder, "params.safetensors"))
 
 
-def load_drafter(path: str, kinds=TRAINABLE):
-  """``(module, meta)`` of the drafter exported at ``path``; its kind must be in ``kinds``."""
-  folder = final_folder(path)
-  meta = read_meta(path)
-  kind = meta.get("drafter")
-  if kind not in kinds:
-    raise EagleJaxError(f"{folder}: holds a {kind!r} drafter; expected one of: {', '.join(kinds)}")
-  if kind == "draft-model":
-    return load_model(folder).model, meta
-  module = _head_module(kind, meta["head"])
+def load_params(module, folder: str):
+  """Fills ``module`` (e.g. built with ``nnx.eval_shape``) from ``folder/params.safetensors``."""
   tensors = load_file(os.path.join(folder, "params.safetensors"))
   state = nnx.state(module)
   for p, v in nnx.to_flat_state(state):
@@ -119,9 +90,26 @@ def load_drafter(path: str, kinds=TRAINABLE):
       raise EagleJaxError(f"{folder}/params.safetensors: missing tensor {key!r}")
     v.set_value(jax.numpy.asarray(tensors[key]))
   nnx.update(module, state)
-  return module, meta
+  return module
 
 
-def load_head(path: str):
-  """An exported EAGLE head ``(head, meta)``."""
-  return load_drafter(path, kinds=("eagle1", "eagle3"))
+def find_checkpoint(kind: str, runs_dir: str, model: str | None = None) -> str:
+  """The ``final/`` folder of the trained run in ``runs_dir`` holding a ``kind`` drafter with
+  the most training tokens (for the target ``model`` if given)."""
+  best = None
+  if os.path.isdir(runs_dir):
+    for run in sorted(os.listdir(runs_dir)):
+      meta_path = os.path.join(runs_dir, run, "final", "drafter.json")
+      if not os.path.isfile(meta_path):
+        continue
+      meta = read_meta(os.path.dirname(meta_path))
+      if meta.get("drafter") != kind or (model and meta.get("model") != model):
+        continue
+      key = (meta.get("train_tokens", 0), os.path.getmtime(meta_path))
+      if best is None or key > best[0]:
+        best = (key, os.path.join(runs_dir, run, "final"))
+  if best is None:
+    raise EagleJaxError(f"no trained {kind} drafter{'' if not model else ' for ' + model} in "
+                        f"{runs_dir}/ (train one with: eagle-jax train configs/train/{kind}-quick.yaml"
+                        f"{'' if not model else ' model=' + model}) and no checkpoint given")
+  return best[1]

@@ -1,54 +1,40 @@
-"""``eagle-jax bench spec``: every drafter on the same MT-bench prompts, in one run.
+"""``eagle-jax bench spec``: drafters against vanilla on the same MT-bench first turns, in one run.
 
-Reports per method tokens/s, speedup over our vanilla decode, tau (tokens per target pass,
-bonus included), n-alpha, per-category figures, whether greedy outputs equal vanilla's, the
-measured verify-cost curve (ms per target pass for 1..64 tree nodes) and the speedup predicted
-from measured acceptance and cost (:func:`eagle_jax.decoding.costs.predict_speedup`: for chains the
-i.i.d. formula E = (1 - a^(g+1)) / (1 - a) at the measured a; for trees the measured tau), also
-with the draft costing nothing, beside the ceiling a perfect free drafter would reach on the
-curve (:func:`eagle_jax.decoding.costs.speedup_ceiling`).
+A front end of the experiment runner (:func:`eagle_jax.evaluation.runner.run_config`): it builds
+an experiment of the given methods (fixed-length generations, batch 1, the fastest of
+``repeats`` runs per prompt, methods interleaved prompt by prompt so a change in the machine's
+speed hits every method alike), runs it in a scratch results folder, and prints the runner's
+summary per method: tokens/s, speedup over vanilla, tau, n-alpha, per-category figures,
+whether greedy outputs equal vanilla's, the measured verify-cost curve (ms per target pass
+for 1..64 tree nodes), the speedup predicted from measured acceptance and cost
+(:func:`eagle_jax.decoding.costs.predict_speedup`), also with the draft costing nothing, and
+the ceiling a perfect free drafter would reach on the curve
+(:func:`eagle_jax.decoding.costs.speedup_ceiling`).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
+import re
+import tempfile
 import time
 
 import jax
-import numpy as np
 
-from eagle_jax.decoding.costs import (
-  predict_speedup,
-  sizes_up_to,
-  speedup_ceiling,
-  verify_cost_curve,
-)
-from eagle_jax.decoding.generate import generate
-from eagle_jax.decoding.sampling import SamplingParams
-from eagle_jax.decoding.speculative import (
-  acceptance_rates,
-  is_chain,
-  loop_widths,
-  speculative_generate,
-  verify_widths,
-)
-from eagle_jax.drafters.eagle.tune import draft_cost_ms
-from eagle_jax.drafters.factory import (
-  EAGLE_VERSION,
-  DrafterOptions,
-  find_checkpoint,
-  make_drafter,
-  method_spec,
-)
+from eagle_jax.decoding.costs import curve_from_json, speedup_ceiling
+from eagle_jax.drafters import registry
+from eagle_jax.drafters.kinds import flag_for
+from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation.prompts import load_mtbench, pick_questions
+from eagle_jax.evaluation.runner import EvalConfig, ExperimentConfig, MethodConfig, run_config
 from eagle_jax.model.registry import load_model
+
+GRID = (1, 2, 4, 8, 16, 26, 32, 64)  # verify-cost sizes always printed
 
 
 def _hf_prompt_lookup(folder, prompts, max_new_tokens):
-  # import time: torch and transformers take about 4 s to import; only the reference needs them
-  import torch  # noqa: I001 (import time)
-  from transformers import AutoModelForCausalLM  # (import time, above)
+  import torch  # import time: about 2.6 s; only the transformers reference needs it
+  from transformers import AutoModelForCausalLM  # import time: about 1.4 s
 
   hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
   hf.generation_config.eos_token_id = None
@@ -65,131 +51,97 @@ def _hf_prompt_lookup(folder, prompts, max_new_tokens):
   return out
 
 
-def _timed_runs(runs: dict, prompts, max_new_tokens: int, repeats: int) -> dict:
-  """Per method, one generation per prompt: the fastest of ``repeats`` timed runs.
+def methods_for(specs, options: dict, checkpoint: str | None) -> dict[str, MethodConfig]:
+  """Experiment methods from ``--methods`` specs (``eagle2:draft_vocab=8192:top_k=4``): the
+  common flags (``options``, ``checkpoint``) apply to every method whose kind reads them, a
+  spec's own settings override them. A common flag no method reads is an error."""
+  unread = set(options) - {k for s in specs for k in _reads(registry.method_spec(s)[0])}
+  if unread:
+    raise EagleJaxError(f"{', '.join(sorted(flag_for(k) for k in unread))}: not used "
+                        f"by any of the methods {', '.join(specs)}")
+  out = {}
+  for spec in specs:
+    kind, values = registry.method_spec(spec)
+    reads = _reads(kind)
+    merged = {k: v for k, v in options.items() if k in reads} | values
+    ckpt = merged.pop("checkpoint", None) or (checkpoint if registry.get(kind).weights else None)
+    name = re.sub(r"[^A-Za-z0-9_.+=:-]", "-", spec)
+    out[spec] = MethodConfig(name=name, drafter=kind, checkpoint=ckpt or "", **merged)
+    out[spec].options()  # a bad combination fails before anything runs
+  if registry.VANILLA.name not in [m.kind for m in out.values()]:
+    raise EagleJaxError("--methods must include vanilla (the speedup and greedy-match baseline)")
+  return out
 
-  Methods are interleaved prompt by prompt (and repeats round by round), so a change in the
-  machine's speed during the benchmark hits every method alike, and the fastest run drops a
-  run slowed by other work; every prompt-length bucket is compiled before timing starts.
-  """
-  for run in runs.values():
-    seen = set()
-    for p in prompts:
-      if len(p) // 64 not in seen:
-        seen.add(len(p) // 64)
-        run(p, max_new_tokens)
-  best = {name: [None] * len(prompts) for name in runs}
-  for _ in range(max(repeats, 1)):
-    for i, p in enumerate(prompts):
-      for name, run in runs.items():
-        g = run(p, max_new_tokens)
-        if best[name][i] is None or g.seconds < best[name][i].seconds:
-          best[name][i] = g
-  return best
+
+def _reads(kind: str) -> set[str]:
+  return {f for f in registry.option_fields() if kind in registry.readers(f)}
 
 
 def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"), num_prompts: int = 16,
-               max_new_tokens: int = 128, temperature: float = 0.0,
-               options: DrafterOptions = DrafterOptions(), with_hf: bool = True,
-               repeats: int = 2) -> dict:
-  lm = load_model(model)
-  target = lm.model
-  questions = pick_questions(load_mtbench(), num_prompts)
-  prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
-  params = SamplingParams(temperature=temperature)
-  drafters, runs, specs = {}, {}, {name: method_spec(name, options) for name in methods}
-  for name in methods:
-    kind, opts = specs[name]
-    drafter, dparams = drafters[name] = make_drafter(kind, target, opts, model)
-    if drafter is None:
-      runs[name] = lambda p, n: generate(target, [p], max_new_tokens=n, params=params, stop_ids=())
-    else:
-      runs[name] = lambda p, n, d=drafter, dp=dparams: speculative_generate(
-          target, d, dp, [p], max_new_tokens=n, params=params, stop_ids=())
-  # the printed grid, extended past the largest tree here (n nodes + the root) so that its cost
-  # is interpolated, never clamped to the grid's end
-  largest = max((d.num_nodes for d, _ in drafters.values() if d is not None), default=0)
-  sizes = {1, 2, 4, 8, 16, 26, 32, 64}
-  sizes |= {max(sizes_up_to(largest))} if largest + 1 > max(sizes) else set()
-  curve = verify_cost_curve(target, sizes=tuple(sorted(sizes)))
-  timed = _timed_runs(runs, prompts, max_new_tokens, repeats)
-  results, vanilla_tokens = {}, None
-  for name in sorted(methods, key=lambda n: specs[n][0] != "vanilla"):  # speedups need vanilla first
-    drafter, dparams = drafters[name]
-    kind, opts = specs[name]
-    gens = timed[name]
-    secs = sum(g.seconds for g in gens)
-    tokens = [g.tokens[0] for g in gens]
-    row = {"tokens_per_s": round(sum(g.num_new[0] for g in gens) / secs, 2), "seconds": round(secs, 3)}
-    cats = collections.defaultdict(list)
-    for q, g in zip(questions, gens):
-      cats[q.category].append(g)
-    if drafter is None:
-      vanilla_tokens, vanilla_secs = tokens, {c: sum(g.seconds for g in gs) for c, gs in cats.items()}
-      vanilla_total = secs
-      row["per_category"] = {c: {"tokens_per_s": round(sum(g.num_new[0] for g in gs) / vanilla_secs[c], 2)}
-                             for c, gs in cats.items()}
-    else:
-      accepted = [g.accepted[0] for g in gens]
-      drafted = [g.drafted_depth[0] for g in gens]
-      gamma = drafter.max_depth
-      draft_ms = draft_cost_ms(drafter, dparams, target, prompts[0])
-      predict = functools.partial(
-          predict_speedup, [a for r in accepted for a in r], [d for r in drafted for d in r], curve,
-          widths=verify_widths(drafter), chain=is_chain(drafter))
-      predicted, alpha = predict(draft_ms=draft_ms)
-      free_draft, _ = predict(draft_ms=0.0)  # the same acceptance, drafting at no cost
-      if kind in EAGLE_VERSION or kind in ("medusa", "draft-model"):
-        row["checkpoint"] = opts.draft_model or find_checkpoint(kind, opts.runs_dir, model)
-      tree = getattr(drafter, "tree", "chain")
-      widths, steps = verify_widths(drafter), loop_widths(drafter)
-      if tree == "chain":  # at batch 1 a chain's drafted depth is its verified width
-        used = collections.Counter(next((w for w in steps if w >= d), steps[0])
-                                   for row_d in drafted for d in row_d)
-        row["steps_by_width"] = {str(w): used[w] for w in steps}
-      if getattr(drafter, "costs", ()):
-        row["width_costs"] = dict(zip(map(str, widths), drafter.costs))
-      row["tree"] = (f"chain of {drafter.num_nodes}" if tree == "chain" and len(widths) == 1 else
-                     f"chain of {', '.join(map(str, widths))} (cost-aware)" if tree == "chain" else
-                     f"static {drafter.num_nodes} nodes, depth {drafter.max_depth}" if tree is not None
-                     else f"dynamic top_k={drafter.top_k} depth={drafter.depth} "
-                          f"total_tokens={drafter.total_tokens}")
-      if getattr(drafter, "draft_vocab", 0):
-        row["tree"] += f", {drafter.draft_vocab}-token draft vocab"
-      row.update({
-          "speedup": round(vanilla_total / secs, 3) if vanilla_tokens else None,
-          "tau": round(float(np.mean([a for r in accepted for a in r]) + 1), 3),
-          "n_alpha": [None if a != a else round(a, 3) for a in acceptance_rates(accepted, drafted, gamma)],
-          "alpha_iid": None if alpha is None else round(alpha, 3),
-          "predicted_speedup": None if predicted is None else round(predicted, 3),
-          "predicted_speedup_free_draft": None if free_draft is None else round(free_draft, 3),
-          "draft_ms": round(draft_ms, 2),
-          "greedy_matches_vanilla": None if vanilla_tokens is None or temperature > 0 else sum(
-              a == b for a, b in zip(tokens, vanilla_tokens)),
-          "per_category": {c: {
-              "tokens_per_s": round(sum(g.num_new[0] for g in gs) / sum(g.seconds for g in gs), 2),
-              "speedup": round(vanilla_secs[c] / sum(g.seconds for g in gs), 3) if vanilla_tokens else None,
-              "tau": round(float(np.mean([a for g in gs for a in g.accepted[0]]) + 1), 3)}
-              for c, gs in cats.items()},
-      })
-    results[name] = row
+               max_new_tokens: int = 128, temperature: float = 0.0, options: dict | None = None,
+               checkpoint: str | None = None, runs_dir: str = "runs", with_hf: bool = True,
+               repeats: int = 2, progress: bool = False) -> dict:
+  specs = list(dict.fromkeys(methods))
+  by_spec = methods_for(specs, options or {}, checkpoint)
+  ev = EvalConfig(prompts="mtbench", num_questions=num_prompts, turns=(1,),
+                  temperatures=(temperature,), batch_size=1, max_new_tokens=max_new_tokens,
+                  stop_at_eos=False, repeats=max(repeats, 1), interleave=True)
+  with tempfile.TemporaryDirectory(prefix="bench-spec-") as scratch:
+    cfg = ExperimentConfig(name="bench-spec", methods=tuple(by_spec.values()), model=model,
+                           runs_dir=runs_dir, results_dir=scratch, eval=ev)
+    summary, units, costs = run_config(cfg, progress=progress, curve_sizes=GRID)
+  t = f"T{temperature}"
+  results = {}
+  for spec in sorted(specs, key=lambda s: by_spec[s].kind != registry.VANILLA.name):
+    m = by_spec[spec]
+    entry, recs = summary["methods"][m.name], units[(m.name, temperature)]
+    cell = entry[t]
+    row = {"tokens_per_s": cell["tokens_per_s"], "seconds": cell["seconds"]}
+    if m.kind == registry.VANILLA.name:
+      row["per_category"] = {c: {"tokens_per_s": v["tokens_per_s"]} for c, v in cell["per_category"].items()}
+      results[spec] = row
+      continue
+    if entry["checkpoint"]:
+      row["checkpoint"] = entry["checkpoint"]
+    widths = costs["widths"][m.name]
+    if costs["chain"][m.name]:  # at batch 1 a chain's drafted depth is its verified width
+      used = collections.Counter(next((w for w in widths if w >= d), widths[0])
+                                 for r in recs for d in r["drafted_depth"])
+      row["steps_by_width"] = {str(w): used[w] for w in widths}
+    if m.name in costs.get("width_costs", {}):
+      row["width_costs"] = costs["width_costs"][m.name]
+    row.update({
+        "tree": cell["tree"], "speedup": cell["speedup"], "tau": cell["tau"],
+        "n_alpha": cell["n_alpha"], "alpha_iid": cell["alpha_iid"],
+        "predicted_speedup": cell["predicted_speedup"],
+        "predicted_speedup_free_draft": cell["predicted_speedup_free_draft"],
+        "draft_ms": round(costs["draft_ms"][m.name], 2),
+        "greedy_matches_vanilla": (None if cell["greedy_mismatches"] is None
+                                   else len(recs) - cell["greedy_mismatches"]),
+        "per_category": cell["per_category"]})
+    results[spec] = row
+  curve = curve_from_json(costs["verify_cost_ms"])
   out = {"methods": results, "verify_cost_ms": curve, "speedup_ceiling": speedup_ceiling(curve)}
   if with_hf:
+    lm = load_model(model)
+    questions = pick_questions(load_mtbench(), num_prompts)
+    prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
     out["transformers_tok_s"] = _hf_prompt_lookup(lm.folder, prompts, max_new_tokens)
   out["settings"] = {
       "model": model, "timing": f"fastest of {max(repeats, 1)} runs per prompt and method, methods "
-      "interleaved prompt by prompt", "prompts": f"MT-bench first turns, {len(prompts)} questions, "
-      f"{-(-len(prompts) // 8)} per category", "max_new_tokens": max_new_tokens,
-      "temperature": temperature, "batch": 1, "eos": "ignored (fixed length)",
-      "options": {k: v for k, v in vars(options).items()},
-      "tau": "tokens per target verify pass, bonus token included, prefill excluded",
+      "interleaved prompt by prompt (eagle_jax.evaluation.runner, eval.repeats and eval.interleave)",
+      "prompts": f"MT-bench first turns, {num_prompts} questions, {-(-num_prompts // 8)} per category",
+      "max_new_tokens": max_new_tokens, "temperature": temperature, "batch": 1,
+      "eos": "ignored (fixed length)", "options": dict(options or {}),
+      "tau": summary["settings"]["tau"],
       "speedup": "our vanilla seconds / method seconds, same prompts, same run",
-      "predicted_speedup": "eagle_jax.decoding.costs.predict_speedup: tokens per step (chains: the i.i.d. "
-      "formula at the measured alpha; trees: measured) over c(verified width + 1) + timed draft "
-      "update + propose, a step that drafted nothing costing c(1) + the draft, against c(1) per token",
+      "predicted_speedup": "eagle_jax.decoding.costs.predict_speedup: tokens per step (chains: the "
+      "i.i.d. formula at the measured alpha; trees: measured) over c(verified width + 1) + timed "
+      "draft update + propose, a step that drafted nothing costing c(1) + the draft, against c(1) "
+      "per token",
       "predicted_speedup_free_draft": "the same with a draft costing nothing: what the method's "
       "acceptance allows on this machine's verify costs",
-      "speedup_ceiling": "eagle_jax.decoding.costs.speedup_ceiling: a perfect, free drafter, n tokens "
-      "accepted per c(n), at the best n on the curve: what this machine's verify costs allow",
+      "speedup_ceiling": "eagle_jax.decoding.costs.speedup_ceiling: a perfect, free drafter, n "
+      "tokens accepted per c(n), at the best n on the curve: what this machine's verify costs allow",
       "jax_version": jax.__version__, "backend": jax.default_backend()}
   return out

@@ -28,65 +28,66 @@ runner checks that every method's tokens equal vanilla's and counts mismatches.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
 import uuid
-from typing import Literal
 
-import jax
 from tqdm import tqdm
 
-from eagle_jax.configs import dump_config, load_config, to_dict
-from eagle_jax.decoding.costs import curve_from_json, sizes_up_to, verify_cost_curve
+from eagle_jax.configs import dump_config, load_config
 from eagle_jax.decoding.generate import generate
 from eagle_jax.decoding.sampling import SamplingParams
-from eagle_jax.decoding.speculative import is_chain, speculative_generate, verify_widths
-from eagle_jax.drafters.eagle.tune import draft_cost_ms
-from eagle_jax.drafters.factory import DRAFTERS, DrafterOptions, find_checkpoint, make_drafter
-from eagle_jax.drafters.storage import read_meta
+from eagle_jax.decoding.speculative import speculative_generate
+from eagle_jax.drafters import registry
+from eagle_jax.drafters.kinds import Context
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.evaluation import records as store
 from eagle_jax.evaluation.prompts import load_jsonl_prompts, load_mtbench, pick_questions
 from eagle_jax.evaluation.tables import render_markdown, summarize
 from eagle_jax.model.registry import DEFAULT_MODEL, load_model, model_slug
 from eagle_jax.pipeline.train import TrainConfig, run_finished, run_training
 
-TRAINED = ("draft-model", "medusa", "eagle1", "eagle2", "eagle3")
 
-
-@dataclasses.dataclass(frozen=True)
-class MethodConfig:
-  name: str  # row label, unique in the experiment
-  drafter: str = ""  # one of DRAFTERS; defaults to ``name``
-  checkpoint: str = ""  # trained drafter (run folder or final/) or draft model name/folder
-  train: str = ""  # training config run when ``checkpoint`` is empty and its run is unfinished
-  train_overrides: tuple[str, ...] = ()
-  gamma: int = 0
-  top_k: int = 0
-  depth: int = 0
-  total_tokens: int = 0
-  tree: Literal["", "default"] = ""
-  draft_vocab: int = -1  # eagle1/eagle2 (see DrafterOptions.draft_vocab)
-  head_bits: int = -1  # eagle1/2/3, medusa (see DrafterOptions.head_bits)
-  self_draft_layers: int = 0
-  pld_min_ngram: int = 2
-  pld_max_ngram: int = 3
-  pld_widths: tuple[int, ...] = ()
+class _Method:
+  """Behaviour of :data:`MethodConfig` (its option fields come from the drafter registry)."""
 
   @property
   def kind(self) -> str:
     return self.drafter or self.name
 
+  def option_values(self) -> dict:
+    """The drafter options this method sets (None = the kind's default)."""
+    return {k: getattr(self, k) for k in registry.option_fields() if getattr(self, k) is not None}
+
+  def options(self):
+    return registry.make_options(self.kind, self.option_values(),
+                                 ("checkpoint",) if self.checkpoint else ())
+
   def validate(self):
     if not re.fullmatch(r"[A-Za-z0-9_.+=:-]+", self.name):  # it names the method's record files
       raise EagleJaxError(f"method name {self.name!r}: use letters, digits and _.+=:- only")
-    if self.kind not in DRAFTERS:
+    if self.kind not in registry.NAMES:
       raise EagleJaxError(f"method {self.name!r}: unknown drafter {self.kind!r}; choose from: "
-                          f"{', '.join(DRAFTERS)}")
-    if self.train and self.kind not in TRAINED:
+                          f"{', '.join(registry.NAMES)}")
+    if self.train and self.kind not in registry.TRAINED:
       raise EagleJaxError(f"method {self.name!r}: {self.kind} is not trainable (train: is for "
-                          f"{', '.join(TRAINED)})")
+                          f"{', '.join(registry.TRAINED)})")
+    try:
+      self.options()
+    except EagleJaxError as e:
+      raise EagleJaxError(f"method {self.name!r}: {e}") from None
+
+
+# One method of an experiment: a row label, its drafter kind (default: the name), where its
+# weights come from (a checkpoint, or a training config run when the checkpoint is missing) and
+# any option of the drafter registry (unset = the kind's default).
+MethodConfig = dataclasses.make_dataclass(
+    "MethodConfig",
+    [("name", str), ("drafter", str, ""), ("checkpoint", str, ""), ("train", str, ""),
+     ("train_overrides", tuple[str, ...], ())]
+    + [(name, tp | None, None) for name, tp in registry.option_types().items()],
+    bases=(_Method,), frozen=True, namespace={"__module__": __name__})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +101,18 @@ class EvalConfig:
   max_new_tokens: int = 128
   stop_at_eos: bool = True
   seed: int = 0
+  repeats: int = 1  # timed runs per batch, the fastest kept
+  interleave: bool = False  # methods run batch by batch in turn, not one after another
 
   def validate(self):
     if not self.turns or set(self.turns) - {1, 2}:
       raise EagleJaxError(f"turns must be a non-empty list of 1 and/or 2, got {list(self.turns)}")
     if not self.temperatures or min(self.temperatures) < 0:
-      raise EagleJaxError(f"temperatures must be a non-empty list of values >= 0")
+      raise EagleJaxError("temperatures must be a non-empty list of values >= 0")
     if self.batch_size < 1 or self.max_new_tokens < 1 or self.num_questions < 0:
       raise EagleJaxError("batch_size and max_new_tokens must be >= 1, num_questions >= 0")
+    if self.repeats < 1:
+      raise EagleJaxError(f"repeats must be >= 1, got {self.repeats}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +128,12 @@ class ExperimentConfig:
     names = [m.name for m in self.methods]
     if len(set(names)) != len(names):
       raise EagleJaxError(f"method names must be unique, got {names}")
-    if "vanilla" not in [m.kind for m in self.methods]:
+    if registry.VANILLA.name not in [m.kind for m in self.methods]:
       raise EagleJaxError("methods must include vanilla (the speedup and greedy-match baseline)")
 
   @property
   def vanilla(self) -> MethodConfig:
-    return next(m for m in self.methods if m.kind == "vanilla")
+    return next(m for m in self.methods if m.kind == registry.VANILLA.name)
 
 
 def load_experiment(path: str, overrides=()) -> ExperimentConfig:
@@ -142,7 +147,7 @@ def ensure_checkpoint(method: MethodConfig, cfg: ExperimentConfig, progress: boo
   if method.checkpoint:
     return method.checkpoint
   if not method.train:
-    return find_checkpoint(method.kind, cfg.runs_dir, cfg.model)
+    return registry.find_checkpoint(method.kind, cfg.runs_dir, cfg.model)
   overrides = (f"runs_dir={cfg.runs_dir}",) + tuple(method.train_overrides)
   own = load_config(TrainConfig, method.train, overrides)
   if own.model != cfg.model and not any(o.startswith("name=") for o in method.train_overrides):
@@ -159,13 +164,8 @@ def ensure_checkpoint(method: MethodConfig, cfg: ExperimentConfig, progress: boo
 
 
 def drafter_for(method: MethodConfig, target, cfg: ExperimentConfig, checkpoint: str | None):
-  opts = DrafterOptions(gamma=method.gamma, pld_min_ngram=method.pld_min_ngram,
-                        pld_max_ngram=method.pld_max_ngram, pld_widths=method.pld_widths, draft_model=checkpoint or None,
-                        self_draft_layers=method.self_draft_layers, top_k=method.top_k,
-                        depth=method.depth, total_tokens=method.total_tokens, tree=method.tree,
-                        draft_vocab=method.draft_vocab, head_bits=method.head_bits,
-                        runs_dir=cfg.runs_dir)
-  return make_drafter(method.kind, target, opts, cfg.model)
+  context = Context(model=cfg.model, checkpoint=checkpoint or None, runs_dir=cfg.runs_dir)
+  return registry.build(method.kind, target, method.options(), context)
 
 
 def questions_for(ev: EvalConfig):
@@ -180,91 +180,60 @@ def questions_for(ev: EvalConfig):
 
 # -- evaluation --------------------------------------------------------------------------------
 
-def run_unit(lm, drafter, dparams, prompts: list[dict], method: str, temperature: float,
-             ev: EvalConfig, progress: bool = True) -> list[dict]:
-  """Decodes ``prompts`` (dicts with id, category, turn, tokens) in batches; one record each."""
+def decode_batches(lm, drafter, dparams, prompts: list[dict], method: str, temperature: float,
+                   ev: EvalConfig):
+  """Decodes ``prompts`` (dicts with id, category, turn, tokens) a batch at a time, yielding
+  each batch's records (one per prompt): the fastest of ``ev.repeats`` runs."""
   params = SamplingParams(temperature=temperature)
   stop = None if ev.stop_at_eos else ()
-  records = []
   width = max(len(p["tokens"]) for p in prompts)  # one padded shape: one compilation per unit
-  bar = tqdm(total=len(prompts), desc=f"{method} T={temperature}", unit="prompt", disable=not progress)
   for i in range(0, len(prompts), ev.batch_size):
     batch = prompts[i:i + ev.batch_size]
     toks = [p["tokens"] for p in batch]
-    seed = ev.seed + i
-    if drafter is None:
-      g = generate(lm.model, toks, max_new_tokens=ev.max_new_tokens, params=params, seed=seed,
-                   stop_ids=stop, prompt_width=width)
-      accepted = drafted = [[] for _ in batch]
-    else:
-      g = speculative_generate(lm.model, drafter, dparams, toks, max_new_tokens=ev.max_new_tokens,
-                               params=params, seed=seed, stop_ids=stop, prompt_width=width)
-      accepted, drafted = g.accepted, g.drafted_depth
-    for j, p in enumerate(batch):
-      records.append({"id": p["id"], "category": p["category"], "turn": p["turn"], "method": method,
-                      "temperature": temperature, "prompt_tokens": len(p["tokens"]),
-                      "token_ids": list(g.tokens[j]), "new_tokens": int(g.num_new[j]),
-                      "seconds": g.seconds / len(batch), "accepted": list(accepted[j]),
-                      "drafted_depth": list(drafted[j])})
-    bar.update(len(batch))
-  bar.close()
-  return records
+    common = dict(max_new_tokens=ev.max_new_tokens, params=params, seed=ev.seed + i,
+                  stop_ids=stop, prompt_width=width)
+    g = None
+    for _ in range(ev.repeats):
+      run = (generate(lm.model, toks, **common) if drafter is None else
+             speculative_generate(lm.model, drafter, dparams, toks, **common))
+      g = run if g is None or run.seconds < g.seconds else g
+    accepted, drafted = ((g.accepted, g.drafted_depth) if drafter is not None
+                         else ([[] for _ in batch],) * 2)
+    yield [{"id": p["id"], "category": p["category"], "turn": p["turn"], "method": method,
+            "temperature": temperature, "prompt_tokens": len(p["tokens"]),
+            "token_ids": list(g.tokens[j]), "new_tokens": int(g.num_new[j]),
+            "seconds": g.seconds / len(batch), "accepted": list(accepted[j]),
+            "drafted_depth": list(drafted[j])} for j, p in enumerate(batch)]
 
 
-def _read_jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+def run_units(lm, methods: dict, prompts: list[dict], temperature: float, ev: EvalConfig,
+              progress: bool = True) -> dict[str, list[dict]]:
+  """Records of each method in ``methods`` (name -> (drafter, dparams)) on ``prompts``: one
+  method after another, or with ``ev.interleave`` batch by batch across the methods, so that
+  a change in the machine's speed hits every method alike."""
+  runs = {name: decode_batches(lm, *dd, prompts, name, temperature, ev) for name, dd in methods.items()}
+  out = {name: [] for name in runs}
+  bars = {name: tqdm(total=len(prompts), desc=f"{name} T={temperature}", unit="prompt",
+                     disable=not progress) for name in runs}
+  order = [list(runs)] if ev.interleave else [[name] for name in runs]
+  for group in order:
+    live = list(group)
+    while live:
+      for name in list(live):
+        batch = next(runs[name], None)
+        if batch is None:
+          live.remove(name)
+          bars[name].close()
+          continue
+        out[name] += batch
+        bars[name].update(len(batch))
+  return out
 
 
-def _write_atomic(path, text):
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
-
-
-def _machine() -> dict:
-  """Where timings were taken: records timed elsewhere are not mixed into one speedup."""
-  return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-          "cpus": os.cpu_count()}
-
-
-def _checkpoint_key(checkpoint: str | None) -> dict | None:
-  """A trained checkpoint as a cache key: its folder and its ``drafter.json`` (steps, tuned
-  budget), so that retraining or ``eagle-jax tune`` invalidates the records made with it."""
-  return None if checkpoint is None else {"path": checkpoint, "meta": read_meta(checkpoint)}
-
-
-def _prompts_key(questions) -> dict:
-  """The questions' ids and a digest of their text and categories."""
-  text = json.dumps([[q.question_id, q.category, list(q.turns)] for q in questions])
-  return {"ids": [q.question_id for q in questions], "sha1": hashlib.sha1(text.encode()).hexdigest()}
-
-
-def _unit(out, cfg, method: MethodConfig, temperature, checkpoint, prompts_key, stem=None):
-  """``(records path, key)`` of one (method, temperature) evaluation. The key holds the
-  evaluation settings but not the list of temperatures: adding one keeps the others' units."""
-  ev = {k: v for k, v in to_dict(cfg.eval).items() if k != "temperatures"}
-  key = {"model": cfg.model, "method": to_dict(method), "checkpoint": _checkpoint_key(checkpoint),
-         "temperature": temperature, "eval": ev, "prompts": prompts_key,
-         "machine": _machine()}
-  if stem:  # not a method's records (notebooks read records/<method>-T<temperature>.jsonl)
-    return os.path.join(out, f"{stem}.jsonl"), key
-  return os.path.join(out, "records", f"{method.name}-T{temperature}.jsonl"), key
-
-
-def _cached(path, key):
-  try:
-    with open(path[:-len(".jsonl")] + ".key.json") as f:
-      return _read_jsonl(path) if json.load(f) == json.loads(json.dumps(key)) else None
-  except (OSError, ValueError):
-    return None
-
-
-def _store(path, key, records):
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
-  _write_atomic(path[:-len(".jsonl")] + ".key.json", json.dumps(key))
+def run_unit(lm, drafter, dparams, prompts: list[dict], method: str, temperature: float,
+             ev: EvalConfig, progress: bool = True) -> list[dict]:
+  """Records of one method on ``prompts``."""
+  return run_units(lm, {method: (drafter, dparams)}, prompts, temperature, ev, progress)[method]
 
 
 def build_prompts(lm, questions, turns, first_answers: dict | None) -> list[dict]:
@@ -284,111 +253,72 @@ def build_prompts(lm, questions, turns, first_answers: dict | None) -> list[dict
 
 
 def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
+  """``eagle-jax run CONFIG``: the summary of the experiment ``path`` names (its table printed)."""
   cfg = load_experiment(path, overrides)
+  summary = run_config(cfg, progress=progress, where=path)[0]
+  print(render_markdown([summary]))
+  return summary
+
+
+def run_config(cfg: ExperimentConfig, *, progress: bool = True, where: str = "",
+               curve_sizes=()) -> tuple[dict, dict, dict]:
+  """Runs the experiment ``cfg`` (training what is missing, reusing records whose key matches)
+  and returns ``(summary, units, costs)``: ``units[(method, T)]`` are the records.
+  ``curve_sizes``: verify-cost sizes to measure besides the methods' own."""
   out = os.path.join(cfg.results_dir, cfg.name)
   os.makedirs(out, exist_ok=True)
   dump_config(cfg, os.path.join(out, "config.yaml"))
   questions = questions_for(cfg.eval)  # a bad prompt file or category fails before any training
   lm = load_model(cfg.model)
-  checkpoints = {m.name: ensure_checkpoint(m, cfg, progress) if m.kind in TRAINED else None
+  checkpoints = {m.name: ensure_checkpoint(m, cfg, progress) if m.kind in registry.TRAINED else None
                  for m in cfg.methods}
-  qkey = _prompts_key(questions)
+  qkey = store.prompts_key(questions)
   first_answers = None
   if 2 in cfg.eval.turns:  # the target's own greedy first answers
     ev1 = dataclasses.replace(cfg.eval, turns=(1,))
-    apath, akey = _unit(out, dataclasses.replace(cfg, eval=ev1), cfg.vanilla, 0.0, None, qkey,
-                        stem="first-answers")
-    answers = _cached(apath, akey)
+    apath, akey = store.unit(out, dataclasses.replace(cfg, eval=ev1), cfg.vanilla, 0.0, None, qkey,
+                             stem="first-answers")
+    answers = store.cached(apath, akey)
     if answers is None:
       answers = run_unit(lm, None, None, build_prompts(lm, questions, (1,), None), cfg.vanilla.name,
                          0.0, ev1, progress)
-      _store(apath, akey, answers)
+      store.store(apath, akey, answers)
     first_answers = {r["id"]: r["token_ids"] for r in answers}
   prompts = build_prompts(lm, questions, cfg.eval.turns, first_answers)
   if not prompts:
-    raise EagleJaxError(f"{path}: no prompts to evaluate: none of the {len(questions)} questions "
-                        f"has the turns {list(cfg.eval.turns)}")
+    raise EagleJaxError(f"{where or cfg.name}: no prompts to evaluate: none of the {len(questions)} "
+                        f"questions has the turns {list(cfg.eval.turns)}")
   units, drafters, baselines = {}, {}, {}
   costs_path = os.path.join(out, "costs.json")
-  costs = _load_costs(costs_path, cfg.model)
+  costs = store.load_costs(costs_path, cfg.model)
   session = uuid.uuid4().hex[:12]  # records timed by this process (speedups pair within one)
   for temperature in cfg.eval.temperatures:
-    unit = {m.name: _unit(out, cfg, m, temperature, checkpoints[m.name], qkey) for m in cfg.methods}
-    cached = {name: _cached(*u) for name, u in unit.items()}
+    unit = {m.name: store.unit(out, cfg, m, temperature, checkpoints[m.name], qkey) for m in cfg.methods}
+    cached = {name: store.cached(*u) for name, u in unit.items()}
     if any(r is None for r in cached.values()):  # a method re-timed now gets a vanilla timed now
-      _keep_baseline(out, unit[cfg.vanilla.name], cached[cfg.vanilla.name])
+      store.keep_baseline(out, unit[cfg.vanilla.name], cached[cfg.vanilla.name])
       cached[cfg.vanilla.name] = None
+    todo = [m for m in cfg.methods if cached[m.name] is None]
+    for m in todo:
+      if m.name not in drafters:
+        drafters[m.name] = drafter_for(m, lm.model, cfg, checkpoints[m.name])
+        store.measure_costs(costs, m.name, lm.model, *drafters[m.name], prompts[0]["tokens"],
+                            sizes=curve_sizes)
+        store.write_atomic(costs_path, json.dumps(costs, indent=1))
+    fresh = run_units(lm, {m.name: drafters[m.name] for m in todo}, prompts, temperature,
+                      cfg.eval, progress)
     for m in cfg.methods:
-      records = cached[m.name]
-      if records is None:
-        if m.name not in drafters:
-          drafters[m.name] = drafter_for(m, lm.model, cfg, checkpoints[m.name])
-          _measure_costs(costs, m.name, lm.model, *drafters[m.name], prompts[0]["tokens"])
-          _write_atomic(costs_path, json.dumps(costs, indent=1))
-        records = run_unit(lm, *drafters[m.name], prompts, m.name, temperature, cfg.eval, progress)
-        records = [dict(r, session=session) for r in records]
-        _store(*unit[m.name], records)
-      units[(m.name, temperature)] = records
+      if m.name in fresh:
+        cached[m.name] = [dict(r, session=session) for r in fresh[m.name]]
+        store.store(*unit[m.name], cached[m.name])
+      units[(m.name, temperature)] = cached[m.name]
     for m in cfg.methods:  # each method against the vanilla timed by the same process
-      baselines[(m.name, temperature)] = _baseline(out, unit[cfg.vanilla.name],
-                                                   units[(cfg.vanilla.name, temperature)],
-                                                   units[(m.name, temperature)])
+      baselines[(m.name, temperature)] = store.baseline(out, unit[cfg.vanilla.name],
+                                                        units[(cfg.vanilla.name, temperature)],
+                                                        units[(m.name, temperature)])
   summary = summarize(cfg, units, checkpoints, costs, baselines)
-  _write_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=1))
-  table = render_markdown([summary])
-  _write_atomic(os.path.join(out, "table.md"), table + "\n")
-  print(table)
-  return summary
+  store.write_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=1))
+  store.write_atomic(os.path.join(out, "table.md"), render_markdown([summary]) + "\n")
+  return summary, units, costs
 
 
-def _sessions(records) -> set:
-  return {r.get("session") for r in records}
-
-
-def _baseline_path(out, vanilla_unit, session: str) -> str:
-  stem = os.path.basename(vanilla_unit[0])[:-len(".jsonl")]
-  return os.path.join(out, "baselines", f"{stem}-{session}.jsonl")
-
-
-def _keep_baseline(out, vanilla_unit, records) -> None:
-  """Keeps vanilla's records of one earlier process under ``baselines/`` before vanilla is
-  timed again, so the methods that process timed stay paired with it."""
-  if records and len(_sessions(records)) == 1 and None not in _sessions(records):
-    _store(_baseline_path(out, vanilla_unit, records[0]["session"]), vanilla_unit[1], records)
-
-
-def _baseline(out, vanilla_unit, vanilla_records, records):
-  """Vanilla's records timed by the process that timed ``records`` (the current ones, or kept
-  under ``baselines/`` with the same evaluation key); the current ones when there are none."""
-  sessions = _sessions(records)
-  if sessions == _sessions(vanilla_records) or len(sessions) != 1 or None in sessions:
-    return vanilla_records
-  kept = _cached(_baseline_path(out, vanilla_unit, next(iter(sessions))), vanilla_unit[1])
-  return kept or vanilla_records
-
-
-def _load_costs(path, model) -> dict:
-  try:
-    with open(path) as f:
-      costs = json.load(f)
-    if costs.get("model") == model and costs.get("machine") == _machine():
-      return costs
-  except (OSError, ValueError, AttributeError):
-    pass
-  return {"model": model, "machine": _machine(), "verify_cost_ms": {}, "draft_ms": {}, "num_nodes": {}}
-
-
-def _measure_costs(costs, name, target, drafter, dparams, prompt) -> None:
-  """Verify-cost curve (once) and the method's timed draft step, for predicted speedups."""
-  # the curve (also from costs.json of an interrupted run) covers the largest tree so far;
-  # a larger one times only the sizes it adds
-  curve = curve_from_json(costs["verify_cost_ms"])
-  missing = [n for n in sizes_up_to(0 if drafter is None else drafter.num_nodes) if n not in curve]
-  if missing:
-    curve.update(verify_cost_curve(target, sizes=missing))
-  costs["verify_cost_ms"] = {str(k): curve[k] for k in sorted(curve)}
-  if drafter is not None:
-    costs["draft_ms"][name] = round(draft_cost_ms(drafter, dparams, target, prompt), 3)
-    costs["num_nodes"][name] = drafter.num_nodes
-    costs.setdefault("widths", {})[name] = list(verify_widths(drafter))
-    costs.setdefault("chain", {})[name] = is_chain(drafter)

@@ -12,20 +12,19 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
-
 from eagle_jax.configs import to_dict
 from eagle_jax.decoding.costs import curve_from_json, predict_speedup, speedup_ceiling
-from eagle_jax.decoding.speculative import acceptance_rates
+from eagle_jax.decoding.speculative import acceptance_rates, tau
 from eagle_jax.errors import EagleJaxError
 
 TAU = "tokens per target forward (verify) pass, bonus token included, prefill excluded"
 
 
 def tau_of(records) -> float | None:
-  """Mean tau of run records (None without verify steps, i.e. vanilla)."""
-  steps = [a for r in records for a in r["accepted"]]
-  return round(float(np.mean(steps) + 1), 3) if steps else None
+  """:func:`eagle_jax.decoding.speculative.tau` of run records (None without verify steps,
+  i.e. vanilla)."""
+  value = tau([r["accepted"] for r in records])
+  return None if value != value else round(value, 3)
 
 
 def tokens_per_s(records) -> float:
@@ -38,20 +37,22 @@ def _cell(records, vanilla):
           "speedup": round(tokens_per_s(records) / tokens_per_s(vanilla), 3)}
 
 
-def _predicted(records, costs, name, free_draft: bool = False):
+def _predicted(records, costs, name, free_draft: bool = False, alpha: bool = False):
   """Speedup predicted from the records' measured acceptance and the run's measured costs
-  (:func:`eagle_jax.decoding.costs.predict_speedup`), with ``free_draft`` as if drafting cost nothing;
-  None for vanilla or without costs."""
+  (:func:`eagle_jax.decoding.costs.predict_speedup`), with ``free_draft`` as if drafting cost
+  nothing; with ``alpha`` instead the per-token acceptance a chain's prediction used (the
+  i.i.d. alpha). None for vanilla or without costs."""
   if name not in costs.get("draft_ms", {}):
     return None
   nodes = costs["num_nodes"][name]
-  speedup, _ = predict_speedup(
+  speedup, iid = predict_speedup(
       [a for r in records for a in r["accepted"]], [d for r in records for d in r["drafted_depth"]],
       curve_from_json(costs.get("verify_cost_ms")),
       widths=costs.get("widths", {}).get(name, [nodes]),
       draft_ms=0.0 if free_draft else costs["draft_ms"][name],
       chain=costs.get("chain", {}).get(name, False))
-  return None if speedup is None else round(speedup, 3)
+  value = iid if alpha else speedup
+  return None if value is None else round(value, 3)
 
 
 def _ceiling(costs):
@@ -85,7 +86,9 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict 
           "same_run": {r.get("session") for r in recs} == {r.get("session") for r in vrecs},
           "predicted_speedup": _predicted(recs, costs, m.name),
           "predicted_speedup_free_draft": _predicted(recs, costs, m.name, free_draft=True),
+          "alpha_iid": _predicted(recs, costs, m.name, alpha=True),
           "num_nodes": costs.get("num_nodes", {}).get(m.name),
+          "tree": costs.get("tree", {}).get(m.name),
           "per_category": {c: _cell([r for r in recs if r["category"] == c],
                                     [r for r in vrecs if r["category"] == c]) for c in cats}})
       per_t[f"T{temp}"] = entry

@@ -131,7 +131,7 @@ def read_gguf(path: str, with_blocks: bool = False):
   """Dequantized fp32 weights under Hugging Face names, Q/K rows un-permuted: ``(config,
   tensors)``, and with ``with_blocks`` also ``{name: (q, scale, offset)}`` for the tensors
   whose integer blocks expand exactly to their fp32 weights."""
-  import gguf  # import time: only GGUF conversion needs gguf
+  import gguf  # import time: 0.3 s, for GGUF conversion only
 
   try:
     reader = gguf.GGUFReader(path)

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

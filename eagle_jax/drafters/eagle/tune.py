@@ -25,14 +25,10 @@ full LM head is most of the draft cost. Each size is one more axis of the same s
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.decoding.costs import fastest_ms
-from eagle_jax.decoding.protocol import Accepted
-from eagle_jax.decoding.sampling import SamplingParams
-from eagle_jax.decoding.speculative import features_of, speculative_generate
+from eagle_jax.decoding.costs import draft_cost_ms
+from eagle_jax.decoding.speculative import speculative_generate
 from eagle_jax.drafters.eagle.drafter import EagleDrafter
 
 
@@ -45,26 +41,6 @@ def tau_by_budget(accepted_slots, max_nodes: int) -> np.ndarray:
   for n in range(1, max_nodes + 1):
     tau[n] = 1 + np.mean([sum(1 for s in path if s <= n) for path in steps])
   return tau
-
-
-def draft_cost_ms(drafter: EagleDrafter, dparams, target, prompt, repeats: int = 10) -> float:
-  """Fastest ms (after a warm-up) of one ``update`` (a full accepted path) + ``propose`` of the
-  drafter."""
-  b, d = 1, drafter.max_depth
-  p = jnp.asarray([prompt], jnp.int32)
-  out = target(p, jnp.arange(p.shape[1])[None], None, return_layers=drafter.feature_layers)
-  feats = features_of(out, drafter.feature_layers)
-  state = drafter.init(dparams, p, jnp.array([p.shape[1]]), feats, jnp.array([1]),
-                       p.shape[1] + 256)
-  acc = Accepted(tokens_BxK=jnp.ones((b, d + 1), jnp.int32), count_B=jnp.array([d + 1]),
-                 features_BxKxD=jnp.broadcast_to(feats[:, -1:], (b, d + 1, feats.shape[-1])))
-
-  @jax.jit
-  def step(dparams, state, acc):
-    state = drafter.update(dparams, state, acc)
-    return drafter.propose(dparams, state, acc.tokens_BxK[:, 0], jax.random.key(0), SamplingParams())
-
-  return fastest_ms(step, dparams, state, acc, repeats=repeats)
 
 
 def tune_budget(head, target, prompts, *, curve: dict[int, float], top_k: int = 8,

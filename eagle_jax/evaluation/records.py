@@ -1,0 +1,151 @@
+"""An experiment's records on disk: each (method, temperature) unit's records with the key
+that produced them (a unit whose key still matches is reused), vanilla baselines kept per
+timing process, and the measured costs (verify-cost curve, each method's draft step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import jax
+
+from eagle_jax.configs import to_dict
+from eagle_jax.decoding.costs import curve_from_json, draft_cost_ms, sizes_up_to, verify_cost_curve
+from eagle_jax.decoding.speculative import is_chain, verify_widths
+from eagle_jax.drafters.storage import read_meta
+
+
+def read_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def write_atomic(path, text):
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def machine() -> dict:
+  """Where timings were taken: records timed elsewhere are not mixed into one speedup."""
+  return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+          "cpus": os.cpu_count()}
+
+
+def checkpoint_key(checkpoint: str | None) -> dict | None:
+  """A trained checkpoint as a cache key: its folder and its ``drafter.json`` (steps, tuned
+  budget), so that retraining or ``eagle-jax tune`` invalidates the records made with it."""
+  return None if checkpoint is None else {"path": checkpoint, "meta": read_meta(checkpoint)}
+
+
+def prompts_key(questions) -> dict:
+  """The questions' ids and a digest of their text and categories."""
+  text = json.dumps([[q.question_id, q.category, list(q.turns)] for q in questions])
+  return {"ids": [q.question_id for q in questions], "sha1": hashlib.sha1(text.encode()).hexdigest()}
+
+
+_TIMING = {"repeats": 1, "interleave": False}  # their defaults
+
+
+def unit(out, cfg, method, temperature, checkpoint, prompts_key, stem=None):
+  """``(records path, key)`` of one (method, temperature) evaluation. The key holds the
+  evaluation settings but not the list of temperatures: adding one keeps the others' units."""
+  # the timing settings join the key only when set (records made before they existed stay valid)
+  ev = {k: v for k, v in to_dict(cfg.eval).items()
+        if k != "temperatures" and not (k in _TIMING and v == _TIMING[k])}
+  key = {"model": cfg.model, "method": to_dict(method), "checkpoint": checkpoint_key(checkpoint),
+         "temperature": temperature, "eval": ev, "prompts": prompts_key,
+         "machine": machine()}
+  if stem:  # not a method's records (notebooks read records/<method>-T<temperature>.jsonl)
+    return os.path.join(out, f"{stem}.jsonl"), key
+  return os.path.join(out, "records", f"{method.name}-T{temperature}.jsonl"), key
+
+
+def cached(path, key):
+  try:
+    with open(path[:-len(".jsonl")] + ".key.json") as f:
+      return read_jsonl(path) if json.load(f) == json.loads(json.dumps(key)) else None
+  except (OSError, ValueError):
+    return None
+
+
+def store(path, key, records):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+  write_atomic(path[:-len(".jsonl")] + ".key.json", json.dumps(key))
+
+
+def sessions(records) -> set:
+  return {r.get("session") for r in records}
+
+
+def baseline_path(out, vanilla_unit, session: str) -> str:
+  stem = os.path.basename(vanilla_unit[0])[:-len(".jsonl")]
+  return os.path.join(out, "baselines", f"{stem}-{session}.jsonl")
+
+
+def keep_baseline(out, vanilla_unit, records) -> None:
+  """Keeps vanilla's records of one earlier process under ``baselines/`` before vanilla is
+  timed again, so the methods that process timed stay paired with it."""
+  if records and len(sessions(records)) == 1 and None not in sessions(records):
+    store(baseline_path(out, vanilla_unit, records[0]["session"]), vanilla_unit[1], records)
+
+
+def baseline(out, vanilla_unit, vanilla_records, records):
+  """Vanilla's records timed by the process that timed ``records`` (the current ones, or kept
+  under ``baselines/`` with the same evaluation key); the current ones when there are none."""
+  timed_by = sessions(records)
+  if timed_by == sessions(vanilla_records) or len(timed_by) != 1 or None in timed_by:
+    return vanilla_records
+  kept = cached(baseline_path(out, vanilla_unit, next(iter(timed_by))), vanilla_unit[1])
+  return kept or vanilla_records
+
+
+def load_costs(path, model) -> dict:
+  try:
+    with open(path) as f:
+      costs = json.load(f)
+    if costs.get("model") == model and costs.get("machine") == machine():
+      return costs
+  except (OSError, ValueError, AttributeError):
+    pass
+  return {"model": model, "machine": machine(), "verify_cost_ms": {}, "draft_ms": {}, "num_nodes": {}}
+
+
+def describe(drafter) -> str:
+  """What a drafter drafts each step, in words (``chain of 8``, ``dynamic top_k=8 ...``)."""
+  tree = getattr(drafter, "tree", "chain")
+  widths = verify_widths(drafter)
+  text = (f"chain of {drafter.num_nodes}" if tree == "chain" and len(widths) == 1 else
+          f"chain of {', '.join(map(str, widths))} (cost-aware)" if tree == "chain" else
+          f"static {drafter.num_nodes} nodes, depth {drafter.max_depth}" if tree is not None
+          else f"dynamic top_k={drafter.top_k} depth={drafter.depth} "
+               f"total_tokens={drafter.total_tokens}")
+  if getattr(drafter, "draft_vocab", 0):
+    text += f", {drafter.draft_vocab}-token draft vocab"
+  return text
+
+
+def measure_costs(costs, name, target, drafter, dparams, prompt, sizes=()) -> None:
+  """Verify-cost curve (once, over the largest tree's sizes and ``sizes``) and the method's
+  timed draft step, for predicted speedups; what it drafts, for the summary."""
+  # the curve (also from costs.json of an interrupted run) covers the largest tree so far;
+  # a larger one times only the sizes it adds
+  curve = curve_from_json(costs["verify_cost_ms"])
+  wanted = set(sizes_up_to(0 if drafter is None else drafter.num_nodes)) | set(sizes)
+  missing = sorted(n for n in wanted if n not in curve)
+  if missing:
+    curve.update(verify_cost_curve(target, sizes=missing))
+  costs["verify_cost_ms"] = {str(k): curve[k] for k in sorted(curve)}
+  if drafter is not None:
+    costs["draft_ms"][name] = round(draft_cost_ms(drafter, dparams, target, prompt), 3)
+    costs["num_nodes"][name] = drafter.num_nodes
+    costs.setdefault("widths", {})[name] = list(verify_widths(drafter))
+    costs.setdefault("chain", {})[name] = is_chain(drafter)
+    costs.setdefault("tree", {})[name] = describe(drafter)
+    if getattr(drafter, "costs", ()):
+      costs.setdefault("width_costs", {})[name] = dict(zip(map(str, verify_widths(drafter)),
+                                                           drafter.costs))
