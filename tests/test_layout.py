@@ -103,3 +103,16 @@ def test_kernels_import_nothing_above_them():
   for path in (ROOT / "kernels").rglob("*.py"):
     for name, line, _ in _imports(ast.parse(path.read_text()), "eagle_jax.kernels"):
       assert _layer(name) <= RANK["kernels"], f"{path.name}:{line} imports {name}"
+
+
+def test_a_drafter_kind_is_named_in_few_modules():
+  """Kinds are dispatched through the registry, not by comparing names across the package."""
+  from eagle_jax.drafters.registry import NAMES
+
+  where = {name: set() for name in NAMES}
+  for path, module in _modules():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Constant) and node.value in where:
+        where[node.value].add(module)
+  assert {n: sorted(m) for n, m in where.items() if len(m) > 3} == {}
+  assert where["eagle2"] and where["medusa"]  # the check sees the kinds' own declarations

@@ -26,9 +26,8 @@ def fastest_ms(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
   untimed calls (the first compiles).
 
   The fastest call, not the median: on a shared machine other work only ever adds time, and the
-  first calls after a compilation run slower (one-off, default model on a 2-core CPU: a 1-node
-  verify pass timed 8.5 ms right after compiling and 5.6-6.2 ms in later curves of the same
-  process), so the minimum after a warm-up is the steadiest estimate of the program's own cost.
+  first calls after a compilation run slower, so the minimum after a warm-up is the steadiest
+  estimate of the program's own cost.
   """
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
@@ -55,12 +54,11 @@ def verify_cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 192, 
   Timed as the speculative loop runs it: chained inside one compiled program (the cache carried
   and updated in place, one compilation per size). One call runs the forward once, another
   ``LONG`` (9) times; the curve is their difference over ``LONG - 1``, so the cost of calling a
-  compiled program from Python (about 7 ms for the default model's 545 arrays on a 2-core CPU,
-  more than the forward's own marginal cost) is not counted as verify cost. Each of the
-  ``repeats`` rounds times every size and both chains once, and each keeps its fastest call:
-  interleaved so that the shared machine's slow swings reach every size alike (timed size by
-  size, one-off curves had c(2) below c(1); three curves timed in a row now give c(1) 5.4-6.8
-  ms and c(8) 18.0-21.2 ms, the spread of the machine itself).
+  compiled program from Python (for a small model on a CPU, more than the forward's own
+  marginal cost) is not counted as verify cost. Each of the ``repeats`` rounds times every
+  size and both chains once, and each keeps its fastest call: interleaved so that the shared
+  machine's slow swings reach every size alike (timed size by size, a curve can come out
+  non-monotonic). ``eagle-jax bench spec --json`` prints the curve (``verify_cost_ms``).
 
   Each size is timed once per process and architecture (the cost depends on shapes, not
   weights), so the tuning after every training and the experiment runner share one curve.
@@ -122,8 +120,8 @@ def interp_ms(curve: dict[int, float], n: float) -> float:
 
 def chain_tokens(alpha: float, gamma: float) -> float:
   """Expected tokens per verify pass of a ``gamma``-token chain with i.i.d. per-token acceptance
-  ``alpha``, bonus token included: ``(1 - alpha^(gamma+1)) / (1 - alpha)`` (REFERENCE.md;
-  Leviathan et al. 2211.17192, Chen et al. 2302.01318)."""
+  ``alpha``, bonus token included: ``(1 - alpha^(gamma+1)) / (1 - alpha)`` (Leviathan et al.,
+  arXiv:2211.17192; Chen et al., arXiv:2302.01318; see docs/methods.md)."""
   return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 

@@ -66,8 +66,9 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = BUCKET, pad_id: 
   return tokens, lengths
 
 
-PREFILL_CHUNK = 128  # prompts wider than this are prefilled in chunks of it (a one-off timing on a
-# 2-core CPU, 500 of 512 tokens: chunks of 64 cost 15% more than one pass, of 128 about 4%)
+# prompts wider than this are prefilled in chunks of it: smaller chunks pay more per-call
+# overhead, larger ones hold more attention scores at once
+PREFILL_CHUNK = 128
 
 
 def prefill(model: Transformer, tokens_BxP, lengths_B, cache: KVCache, return_layers=()):

@@ -103,8 +103,7 @@ class MedusaHeads(nnx.Module):
     blocks = blocks_of(self.out_blocks)
     if blocks is None:
       # float32: every head in one product, then the first k. XLA's CPU backend copies a slice
-      # of the stacked weights before multiplying (one-off, default model, 2-core EPYC: one
-      # head's product from a slice took 40 ms, all four stacked 20 ms)
+      # of the stacked weights before multiplying, which costs more than the unused heads
       x_xKxD = self.features(h_xD)
       return jnp.einsum("...kd,kvd->...kv", x_xKxD, self.out_KxVxD[...])[..., :k, :].astype(jnp.float32)
     x_xKxD = self.features(h_xD, k)  # 8-bit: each head's own blocks, only the heads asked for
