@@ -89,7 +89,13 @@ def test_runner_writes_records_summary_and_table(finished):
   for name in ("pld", "skip2"):
     t0, t1 = summary["methods"][name]["T0.0"], summary["methods"][name]["T1.0"]
     assert t0["greedy_mismatches"] == 0 and t1["greedy_mismatches"] is None
-    assert t0["tau"] >= 1.0 and t0["speedup"] > 0 and t0["predicted_speedup"] > 0
+    # tau is the records' tokens per verify pass, and drafts were accepted (a drafter whose
+    # drafts the target never takes gives exactly 1; here, greedy, one accepted token in the
+    # reply to question 91's second turn: test_jsonl_prompts has replies that copy the prompt)
+    steps = [a for l in (out / "records" / f"{name}-T0.0.jsonl").read_text().splitlines()
+             for a in json.loads(l)["accepted"]]
+    assert t0["tau"] == round(1 + sum(steps) / len(steps), 3) and t0["tau"] > 1.0, (name, t0["tau"])
+    assert t0["speedup"] > 0 and t0["predicted_speedup"] > 0
     assert t0["predicted_speedup"] <= t0["predicted_speedup_free_draft"]
     assert t0["predicted_speedup_free_draft"] <= summary["settings"]["speedup_ceiling"]["speedup"] + 1e-3
     assert len(t0["n_alpha"]) >= 1 and set(t0["per_category"]) == {"writing", "roleplay"}
@@ -192,14 +198,18 @@ def test_table_command_markdown_and_latex(finished, capsys):
 
 def test_jsonl_prompts(tmp_path):
   prompts = tmp_path / "mine.jsonl"
-  prompts.write_text('{"prompt": "Say hi.", "category": "greet"}\n'
+  # a reply that copies the prompt: prompt lookup's drafts are accepted
+  prompts.write_text('{"prompt": "Repeat exactly: The quick brown fox jumps over the lazy dog.", '
+                     '"category": "copy"}\n'
                      '{"turns": ["Count to three.", "Now backwards."], "category": "count"}\n')
   path = tmp_path / "exp.yaml"
   path.write_text(CONFIG.format(results=tmp_path / "r", runs=tmp_path / "runs", prompts=prompts)
                   .replace("temperatures: [0.0, 1.0]", "temperatures: [0.0]")
                   .replace("  - {name: skip2, drafter: self-draft, self_draft_layers: 2, gamma: 2}\n", ""))
   summary = experiment.run_experiment(str(path), progress=False)
-  assert set(summary["methods"]["pld"]["T0.0"]["per_category"]) == {"greet", "count"}
+  pld = summary["methods"]["pld"]["T0.0"]
+  assert set(pld["per_category"]) == {"copy", "count"}
+  assert pld["greedy_mismatches"] == 0 and pld["per_category"]["copy"]["tau"] > 1.0, pld
   records = (tmp_path / "r" / "tiny" / "records" / "pld-T0.0.jsonl").read_text().splitlines()
   assert len(records) == 3  # two first turns and one second turn
 

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from eagle_jax import cli, kernels
+from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.gguf import _blocks_of, unpermute_qk
 from eagle_jax.model.transformer import KVCache, blocks_of
 
@@ -56,7 +57,7 @@ def test_integer_blocks_expand_to_gguf_dequantization(kind):
   raw = gguf.quants.quantize(x, t)
   q, scale, offset = _blocks_of(raw, kind)
   assert q.dtype == (np.int8 if kind == "Q8_0" else np.uint8)
-  np.testing.assert_array_equal(kernels.Blocks(q, scale, offset).dequantize(),
+  np.testing.assert_array_equal(Blocks(q, scale, offset).dequantize(),
                                 gguf.quants.dequantize(raw, t).reshape(x.shape))
   assert _blocks_of(raw, "Q6_K") is None
 

@@ -1,4 +1,5 @@
-"""The CPU kernels (eagle_jax.kernels): small products against XLA's einsum, attention against its reference."""
+"""The CPU kernels (eagle_jax.kernels) as the CPU implementations of the model's operations
+(eagle_jax.model.ops): small products against XLA's einsum, attention against its reference."""
 
 import math
 import os
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from eagle_jax import kernels
+from eagle_jax.model import ops
+from eagle_jax.model.blocks import BLOCK, Blocks
 
 
 def _einsum(x, w):
@@ -25,7 +28,7 @@ def _operands(lead, din, dout, seed=0):
 @pytest.mark.parametrize("din,dout", [(8, 3), (13, 301), (576, 1030)])
 def test_linear_equals_einsum(lead, din, dout):
   x, w = _operands(lead, din, dout)
-  got = jax.jit(kernels.linear)(x, w)
+  got = jax.jit(ops.linear)(x, w)
   want = _einsum(x, w)
   assert got.shape == want.shape
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.sqrt(din))
@@ -35,22 +38,22 @@ def test_kernel_taken_for_2_to_16_rows_only():
   assert kernels.available(), "the kernel should build on this machine (g++ and jaxlib's FFI headers)"
   for rows, taken in [(1, False), (2, True), (16, True), (17, False)]:
     x, w = _operands((rows,), 64, 96)
-    hlo = jax.jit(kernels.linear).lower(x, w).as_text()
+    hlo = jax.jit(ops.linear).lower(x, w).as_text()
     assert ("custom_call" in hlo) == taken, rows
   x, w = _operands((4,), 64, 96)
-  hlo = jax.jit(kernels.linear).lower(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)).as_text()
+  hlo = jax.jit(ops.linear).lower(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)).as_text()
   assert "custom_call" not in hlo  # float32 only
 
 
 def test_gradients_and_vmap_match_einsum():
   x, w = _operands((2, 3), 40, 50, seed=1)
   loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w))))
-  got = jax.grad(loss(kernels.linear), argnums=(0, 1))(x, w)
+  got = jax.grad(loss(ops.linear), argnums=(0, 1))(x, w)
   want = jax.grad(loss(_einsum), argnums=(0, 1))(x, w)
   for g, e in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
   xb = jnp.stack([x, 2 * x, -x])  # vmap over x (w shared)
-  got = jax.jit(jax.vmap(lambda x: kernels.linear(x, w)))(xb)
+  got = jax.jit(jax.vmap(lambda x: ops.linear(x, w)))(xb)
   np.testing.assert_allclose(np.asarray(got), np.asarray(_einsum(xb, w)), rtol=1e-5, atol=1e-4)
 
 
@@ -60,7 +63,7 @@ def test_switched_off_or_unbuildable_falls_back_to_einsum(monkeypatch, tmp_path,
     kernels.available.cache_clear()
     monkeypatch.setenv("EAGLE_JAX_CPU_KERNELS", "0")
     assert not kernels.available()
-    assert "custom_call" not in jax.jit(kernels.linear).lower(x, w).as_text()
+    assert "custom_call" not in jax.jit(ops.linear).lower(x, w).as_text()
     kernels.available.cache_clear()
     monkeypatch.setenv("EAGLE_JAX_CPU_KERNELS", "1")
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))  # nothing built there yet
@@ -68,7 +71,7 @@ def test_switched_off_or_unbuildable_falls_back_to_einsum(monkeypatch, tmp_path,
     assert not kernels.available()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "small-matmul CPU kernel unavailable" in err[0] and "false" in err[0], err
-    np.testing.assert_allclose(np.asarray(kernels.linear(x, w)), np.asarray(_einsum(x, w)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ops.linear(x, w)), np.asarray(_einsum(x, w)), rtol=1e-6)
   finally:
     monkeypatch.undo()
     kernels.available.cache_clear()
@@ -79,17 +82,17 @@ def _blocks(dout, din, bits, seed=0):
   rng = np.random.default_rng(seed)
   q = (rng.integers(-128, 128, (dout, din)).astype(np.int8) if bits == 8
        else rng.integers(0, 256, (dout, din // 2)).astype(np.uint8))
-  nb = din // kernels.BLOCK
-  return kernels.Blocks(jnp.asarray(q), jnp.asarray(rng.random((dout, nb), np.float32) / 64),
+  nb = din // BLOCK
+  return Blocks(jnp.asarray(q), jnp.asarray(rng.random((dout, nb), np.float32) / 64),
                         jnp.asarray(rng.standard_normal((dout, nb)).astype(np.float32) / 8))
 
 
 def test_blocks_expand_in_gguf_order():
-  b = kernels.Blocks(jnp.asarray(np.arange(16, dtype=np.uint8)[None] * 17),  # byte j = (j, j)
+  b = Blocks(jnp.asarray(np.arange(16, dtype=np.uint8)[None] * 17),  # byte j = (j, j)
                      jnp.full((1, 1), 0.5, jnp.float32), jnp.full((1, 1), -1.0, jnp.float32))
   want = np.concatenate([np.arange(16), np.arange(16)]) * 0.5 - 1.0
   np.testing.assert_array_equal(b.dequantize(), want[None].astype(np.float32))
-  b8 = kernels.Blocks(jnp.asarray(np.arange(-16, 16, dtype=np.int8)[None]),
+  b8 = Blocks(jnp.asarray(np.arange(-16, 16, dtype=np.int8)[None]),
                       jnp.full((1, 1), 0.25, jnp.float32), jnp.zeros((1, 1), jnp.float32))
   np.testing.assert_array_equal(b8.dequantize(), (np.arange(-16, 16) * 0.25)[None].astype(np.float32))
 
@@ -99,7 +102,7 @@ def test_blocks_expand_in_gguf_order():
 def test_block_kernel_equals_float32_product_and_each_row_alone(bits, din, dout):
   b = _blocks(dout, din, bits)
   w = jnp.asarray(b.dequantize())
-  f = jax.jit(kernels.linear)
+  f = jax.jit(ops.linear)
   for lead in [(1,), (2,), (1, 3), (5,), (7,), (9,), (16,), (17,), (2, 13), (33,)]:
     x = jnp.asarray(np.random.default_rng(1).standard_normal(lead + (din,)), jnp.float32)
     got = f(x, w, b)
@@ -116,11 +119,11 @@ def test_block_kernel_taken_for_1_to_32_rows_with_matching_blocks():
   w = jnp.asarray(b.dequantize())
   for rows, taken in [(1, True), (2, True), (16, True), (17, True), (32, True), (33, False)]:
     x = jnp.ones((rows, 64), jnp.float32)
-    hlo = jax.jit(kernels.linear).lower(x, w, b).as_text()
+    hlo = jax.jit(ops.linear).lower(x, w, b).as_text()
     assert ("eagle_jax_block_matmul" in hlo) == taken, rows
   x = jnp.ones((1, 64), jnp.float32)
   other = jnp.ones((96, 32), jnp.float32)  # blocks of another shape are never used for it
-  assert "custom_call" not in jax.jit(kernels.linear).lower(jnp.ones((1, 32)), other, b).as_text()
+  assert "custom_call" not in jax.jit(ops.linear).lower(jnp.ones((1, 32)), other, b).as_text()
 
 
 def test_block_kernel_gradients_and_vmap():
@@ -128,27 +131,28 @@ def test_block_kernel_gradients_and_vmap():
   w = jnp.asarray(b.dequantize())
   x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, 64)), jnp.float32)
   loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w))))
-  got = jax.grad(loss(lambda x, w: kernels.linear(x, w, b)), argnums=(0, 1))(x, w)
+  got = jax.grad(loss(lambda x, w: ops.linear(x, w, b)), argnums=(0, 1))(x, w)
   want = jax.grad(loss(_einsum), argnums=(0, 1))(x, w)
   for g, e in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-4)
   xb = jnp.stack([x, 2 * x])
-  got = jax.jit(jax.vmap(lambda x: kernels.linear(x, w, b)))(xb)
+  got = jax.jit(jax.vmap(lambda x: ops.linear(x, w, b)))(xb)
   np.testing.assert_allclose(np.asarray(got), np.asarray(_einsum(xb, w)), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_block_kernel_applies_the_input_norm(bits):
-  """linear(x, w, blocks, norm) = rms_norm(x) @ w^T, the norm computed in the kernel: each row's
-  bits do not depend on the other rows; gradients (x, w, the norm weight) and vmap (over x,
-  and over the weights and norm) match plain JAX; without blocks the norm is JAX's own."""
+  """linear(Normed(x, nw, eps), w, blocks) = rms_norm(x) @ w^T, the norm computed in the
+  kernel: each row's bits do not depend on the other rows; gradients (x, w, the norm weight)
+  and vmap (over x, and over the weights and norm) match plain JAX; without blocks the norm is
+  JAX's own, then the float32 kernel's product."""
   din, dout, eps = 576, 100, 1e-5
   b = _blocks(dout, din, bits, seed=4)
   w = jnp.asarray(b.dequantize())
   rng = np.random.default_rng(5)
   nw = jnp.asarray(1 + rng.standard_normal(din).astype(np.float32) / 4)
-  ref = lambda x, w, nw: _einsum(kernels.rms_norm(x, nw, eps), w)
-  f = jax.jit(lambda x, w, nw: kernels.linear(x, w, b, kernels.Norm(nw, eps)))
+  ref = lambda x, w, nw: _einsum(ops.rms_norm(x, nw, eps), w)
+  f = jax.jit(lambda x, w, nw: ops.linear(ops.Normed(x, nw, eps), w, b))
   for lead in [(1,), (3,), (2, 5), (32,), (40,)]:
     x = jnp.asarray(3 * rng.standard_normal(lead + (din,)), jnp.float32)
     got = f(x, w, nw)
@@ -171,8 +175,10 @@ def test_block_kernel_applies_the_input_norm(bits):
   nwb = jnp.stack([nw, 2 * nw])  # the norm weights batched: plain JAX per weight
   np.testing.assert_allclose(np.asarray(jax.vmap(lambda n: f(x, w, n))(nwb)),
                              np.asarray(jax.vmap(lambda n: ref(x, w, n))(nwb)), rtol=1e-5, atol=1e-4)
-  y = jax.jit(lambda x: kernels.linear(x, w, None, kernels.Norm(nw, eps)))(x)  # no blocks
-  np.testing.assert_allclose(np.asarray(y), np.asarray(ref(x, w, nw)), rtol=1e-5, atol=1e-4)
+  no_blocks = jax.jit(lambda x: ops.linear(ops.Normed(x, nw, eps), w))
+  np.testing.assert_allclose(np.asarray(no_blocks(x)), np.asarray(ref(x, w, nw)), rtol=1e-5, atol=1e-4)
+  hlo = no_blocks.lower(x).as_text()
+  assert "eagle_jax_small_matmul" in hlo and "eagle_jax_block_matmul" not in hlo
 
 
 @pytest.mark.parametrize("blocked", [False, True])
@@ -189,7 +195,7 @@ def test_vmap_over_weights_matches_einsum(blocked, axes):
   x = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
   xa, wa = axes
   xin = x if xa != 1 else jnp.moveaxis(x, 0, 1)
-  f = (lambda x, w, b: kernels.linear(x, w, b)) if blocked else (lambda x, w, b: kernels.linear(x, w))
+  f = (lambda x, w, b: ops.linear(x, w, b)) if blocked else (lambda x, w, b: ops.linear(x, w))
   xs = x[0] if xa is None else xin
   got = jax.jit(jax.vmap(f, in_axes=(xa, wa, wa)))(xs, w3, b3)
   want = jnp.einsum("bti,boi->bto", jnp.broadcast_to(x[0], x.shape) if xa is None else x, w3)
@@ -222,10 +228,10 @@ def _attention_operands(b, kh, g, t, s, d, tc, hidden_frac, seed=0):
 ])
 def test_attention_kernel_equals_reference(b, kh, g, t, s, d, tc, hidden):
   q, parts = _attention_operands(b, kh, g, t, s, d, tc, hidden)
-  hlo = jax.jit(kernels.attend).lower(q, parts).as_text()
+  hlo = jax.jit(ops.attend).lower(q, parts).as_text()
   assert "eagle_jax_attend" in hlo
-  got = jax.jit(kernels.attend)(q, parts)
-  want = jax.jit(kernels.attend_reference)(q, parts)
+  got = jax.jit(ops.attend)(q, parts)
+  want = jax.jit(ops.attend_reference)(q, parts)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
 
 
@@ -234,26 +240,26 @@ def test_attention_kernel_all_hidden_row_and_fallbacks():
   hide = jnp.finfo(jnp.float32).min
   (kc, vc, bc), (kn, vn, _) = parts
   everything_hidden = [(kc, vc, jnp.full_like(bc, hide)), (kn, vn, jnp.full((1, 3, 3), hide))]
-  got = jax.jit(kernels.attend)(q, everything_hidden)  # no visible slot: weights as the biases give
-  want = kernels.attend_reference(q, everything_hidden)
+  got = jax.jit(ops.attend)(q, everything_hidden)  # no visible slot: weights as the biases give
+  want = ops.attend_reference(q, everything_hidden)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
   for q2, parts2 in [(q[..., :24], [(kc[..., :24], vc[..., :24], bc), (kn[..., :24], vn[..., :24], parts[1][2])]),
                      (q.astype(jnp.bfloat16), parts), (q, parts[1:])]:
-    assert "eagle_jax_attend" not in jax.jit(kernels.attend).lower(q2, parts2).as_text()
+    assert "eagle_jax_attend" not in jax.jit(ops.attend).lower(q2, parts2).as_text()
   q17, parts17 = _attention_operands(1, 1, 1, 17, 4, 16, 1, 0.0)
-  assert "eagle_jax_attend" not in jax.jit(kernels.attend).lower(q17, parts17).as_text()
+  assert "eagle_jax_attend" not in jax.jit(ops.attend).lower(q17, parts17).as_text()
 
 
 def test_attention_kernel_gradients_and_vmap():
   q, parts = _attention_operands(1, 2, 2, 3, 12, 32, 1, 0.2, seed=5)
   loss = lambda f: (lambda q, parts: jnp.sum(jnp.sin(f(q, parts))))
-  got = jax.grad(loss(kernels.attend), argnums=(0, 1))(q, parts)
-  want = jax.grad(loss(kernels.attend_reference), argnums=(0, 1))(q, parts)
+  got = jax.grad(loss(ops.attend), argnums=(0, 1))(q, parts)
+  want = jax.grad(loss(ops.attend_reference), argnums=(0, 1))(q, parts)
   for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5)
   qb = jnp.stack([q, -q])
-  got = jax.jit(jax.vmap(lambda q: kernels.attend(q, parts)))(qb)
-  want = jax.vmap(lambda q: kernels.attend_reference(q, parts))(qb)
+  got = jax.jit(jax.vmap(lambda q: ops.attend(q, parts)))(qb)
+  want = jax.vmap(lambda q: ops.attend_reference(q, parts))(qb)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
 
 
@@ -274,15 +280,15 @@ def test_causal_blocks_equal_reference(parts_kind, t, block):
   (kc, vc, bc), (kn, vn, _) = parts
   new = (kn, vn, bias_from_mask(segment_mask(jnp.asarray(seg))))
   parts = [new] if parts_kind == "new only" else [(kc, vc, bc), new]
-  want = jax.jit(kernels.attend_reference)(q, parts)
-  got = jax.jit(lambda q, p: kernels.attend_causal_blocks(q, p, block))(q, parts)
+  want = jax.jit(ops.attend_reference)(q, parts)
+  got = jax.jit(lambda q, p: ops.attend_causal_blocks(q, p, block))(q, parts)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
   loss = lambda f: (lambda q, p: jnp.sum(jnp.sin(f(q, p))))
-  g_want = jax.grad(loss(kernels.attend_reference))(q, parts)
-  g_got = jax.grad(loss(lambda q, p: kernels.attend_causal_blocks(q, p, block)))(q, parts)
+  g_want = jax.grad(loss(ops.attend_reference))(q, parts)
+  g_got = jax.grad(loss(lambda q, p: ops.attend_causal_blocks(q, p, block)))(q, parts)
   np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), rtol=1e-4, atol=1e-5)
-  if parts_kind == "new only" and t > kernels.CAUSAL_BLOCK:  # attend takes the blocks when told
-    hlo = lambda causal: jax.jit(lambda q, p: kernels.attend(q, p, causal=causal)).lower(q, parts).as_text()
+  if parts_kind == "new only" and t > ops.CAUSAL_BLOCK:  # attend takes the blocks when told
+    hlo = lambda causal: jax.jit(lambda q, p: ops.attend(q, p, causal=causal)).lower(q, parts).as_text()
     assert hlo(True).count("exponential") > hlo(False).count("exponential")
 
 
@@ -290,7 +296,7 @@ def test_quantize8_rounds_each_block_to_its_own_scale():
   rng = np.random.default_rng(5)
   w = rng.standard_normal((6, 96)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)
   w[2, 32:64] = 0.0  # an all-zero block stays zero
-  b = kernels.Blocks.quantize8(w)
+  b = Blocks.quantize8(w)
   assert b.bits == 8 and b.shape == (6, 96) and not np.asarray(b.offset_OxN).any()
   q, scale = np.asarray(b.q_OxQ).reshape(6, 3, 32), np.asarray(b.scale_OxN)
   assert np.abs(q).max() <= 127 and scale[2, 1] == 0 and not q[2, 1].any()
@@ -299,15 +305,15 @@ def test_quantize8_rounds_each_block_to_its_own_scale():
   err = np.abs(b.dequantize() - w).reshape(6, 3, 32).max(-1)
   assert (err <= scale / 2 * (1 + 1e-5) + 1e-12).all()
   with pytest.raises(ValueError, match="multiple of 32"):
-    kernels.Blocks.quantize8(np.ones((4, 40), np.float32))
+    Blocks.quantize8(np.ones((4, 40), np.float32))
 
 
 _THREADS_SCRIPT = """
 import os, jax, jax.numpy as jnp, numpy as np
-from eagle_jax import kernels
+from eagle_jax.model import ops
 x, w = jnp.ones((4, 64), jnp.float32), jnp.ones((4096, 64), jnp.float32)
 before = len(os.listdir("/proc/self/task"))
-y = jax.jit(kernels.linear)(x, w).block_until_ready()
+y = jax.jit(ops.linear)(x, w).block_until_ready()
 assert np.array_equal(np.asarray(y), np.full((4, 4096), 64.0, np.float32))
 print(len(os.listdir("/proc/self/task")) - before)
 """
@@ -335,10 +341,10 @@ def test_time_inside_counts_each_kernels_calls_and_time():
   """Two readings of kernels.time_inside around a computation give each kernel's calls in it
   and time spent inside them (what `bench decode` splits a step with)."""
   x, w = _operands((4,), 64, 512)
-  blocks = jax.tree.map(jnp.asarray, kernels.Blocks.quantize8(np.asarray(w)))
+  blocks = jax.tree.map(jnp.asarray, Blocks.quantize8(np.asarray(w)))
   q, parts = _attention_operands(1, 3, 3, 1, 256, 64, 1, 0.3)
-  step = jax.jit(lambda x, q: (kernels.linear(x, w), kernels.linear(x[:1], w, blocks),
-                               kernels.attend(q, parts)))
+  step = jax.jit(lambda x, q: (ops.linear(x, w), ops.linear(x[:1], w, blocks),
+                               ops.attend(q, parts)))
   jax.block_until_ready(step(x, q))  # compiled: no kernel runs while compiling
   before = kernels.time_inside()
   for _ in range(3):

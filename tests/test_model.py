@@ -119,11 +119,11 @@ def test_causal_mask_shape():
 
 
 def test_long_causal_pass_in_blocks_equals_full_attention(tiny):
-  """Over more new tokens than kernels.CAUSAL_BLOCK, a causal pass (implied, or a segment mask
+  """Over more new tokens than ops.CAUSAL_BLOCK, a causal pass (implied, or a segment mask
   declared causal) computes attention a query block at a time: same logits as the full
   computation, and greedy_tokens (chunked LM head) equals the argmax of those logits."""
   from eagle_jax.training.features import segment_mask
-  from eagle_jax.kernels import CAUSAL_BLOCK
+  from eagle_jax.model.ops import CAUSAL_BLOCK
 
   model = tiny()
   b, t = 2, CAUSAL_BLOCK + 37

@@ -26,6 +26,7 @@ from eagle_jax import kernels
 from eagle_jax.decoding.costs import fastest_ms
 from eagle_jax.decoding.generate import generate
 from eagle_jax.evaluation.prompts import load_mtbench
+from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.registry import load_model
 from eagle_jax.model.transformer import WeightBlocks
 
@@ -55,10 +56,16 @@ def _peak(readings: list[dict[str, float]]) -> dict[str, float]:
   return {k: max(r[k] for r in readings) for k in readings[0]}
 
 
+def _kernels_in_use() -> bool:
+  """Whether the CPU kernels compute this process's products (the CPU is JAX's default backend
+  and they are switched on and built)."""
+  return jax.default_backend() == kernels.PLATFORM and kernels.available()
+
+
 def _blocks_read(model) -> dict[tuple, int]:
   """Bytes of each integer-block variable a decode step reads, by its path ({} where the CPU
   kernels do not read blocks)."""
-  if not (kernels.available() and jax.default_backend() == "cpu"):
+  if not _kernels_in_use():
     return {}
   blocks = nnx.to_flat_state(nnx.state(model, WeightBlocks))
   return {path: v.get_value().nbytes for path, v in blocks}
@@ -79,8 +86,8 @@ def weight_bytes_per_step(model) -> int:
 
 def weights_read(model) -> str:
   """Which form of the weights a decode step reads, in words."""
-  n = len(jax.tree.leaves(nnx.state(model, WeightBlocks), is_leaf=lambda x: isinstance(x, kernels.Blocks)))
-  if n and kernels.available() and jax.default_backend() == "cpu":
+  n = len(jax.tree.leaves(nnx.state(model, WeightBlocks), is_leaf=lambda x: isinstance(x, Blocks)))
+  if n and _kernels_in_use():
     return f"integer blocks (GGUF's own) for {n} matrices, float32 for the rest"
   return "float32"
 

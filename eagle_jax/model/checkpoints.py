@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.kernels import Blocks
+from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.config import ModelConfig
 from eagle_jax.model.transformer import Transformer, WeightBlocks
 

@@ -6,10 +6,11 @@ checkpoint, so GGUF models take one code path after conversion. llama.cpp stores
 K projections with rows permuted for its interleaved RoPE; :func:`unpermute_qk` undoes it.
 
 Weights stored in GGUF's 32-weight block formats Q4_0, Q4_1 and Q8_0 are also kept as integer
-blocks (``gguf_blocks.safetensors``, :data:`eagle_jax.model.checkpoints.BLOCKS_FILE`): the CPU kernel
-reads those instead of the float32 weights for passes over 1-16 tokens (a quarter to a sixth of
-the bytes; :mod:`eagle_jax.kernels`). A tensor's blocks are kept only if they expand to exactly
-its float32 weights (checked at conversion).
+blocks (``gguf_blocks.safetensors``, :data:`eagle_jax.model.checkpoints.BLOCKS_FILE`,
+:mod:`eagle_jax.model.blocks`): the CPU kernels read those instead of the float32 weights for
+passes over 1-32 tokens (a quarter to a sixth of the bytes; :mod:`eagle_jax.kernels`). A
+tensor's blocks are kept only if they expand to exactly its float32 weights (checked at
+conversion).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.kernels import Blocks
+from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.checkpoints import BLOCKS_FILE
 from eagle_jax.model.config import ModelConfig, RopeScaling
 
@@ -108,7 +109,7 @@ def _hf_name(gguf_name: str) -> str:
 
 def _blocks_of(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
   """``(q, scale, offset)`` of a GGUF tensor's raw rows ``[rows, bytes]`` in a 32-weight block
-  format (see :class:`eagle_jax.kernels.Blocks`), or None for other formats."""
+  format (see :class:`eagle_jax.model.blocks.Blocks`), or None for other formats."""
   layout = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}.get(kind)
   if layout is None or data.ndim != 2:
     return None

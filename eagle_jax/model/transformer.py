@@ -26,13 +26,13 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.kernels import BLOCK, Blocks, Norm, attend, linear, rms_norm
+from eagle_jax.model.blocks import BLOCK, Blocks
 from eagle_jax.model.config import ModelConfig
-from eagle_jax.model.ops import greedy_token
+from eagle_jax.model.ops import Normed, attend, greedy_token, linear, rms_norm
 
 
 class WeightBlocks(nnx.Variable):
-  """A weight's integer blocks (:class:`eagle_jax.kernels.Blocks`), kept beside its float32
+  """A weight's integer blocks (:class:`eagle_jax.model.blocks.Blocks`), kept beside its float32
   parameter when the checkpoint stores it that way; not trained, not a :class:`nnx.Param`."""
 
 
@@ -120,19 +120,22 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     return rms_norm(x, self.weight[...], self.eps)
 
-  def as_norm(self) -> Norm:
-    """This norm as a product's input norm (:class:`Linear`'s ``norm``)."""
-    return Norm(self.weight[...], self.eps)
+  def deferred(self, x: jax.Array) -> Normed:
+    """This norm of ``x``, not yet applied (:class:`~eagle_jax.model.ops.Normed`): for the
+    products that read it, which apply it (a platform implementation may do so inside the
+    product)."""
+    return Normed(x, self.weight[...], self.eps)
 
 
 class Linear(nnx.Module):
   """``y = x W^T + b`` with ``W`` stored ``[out, in]`` (Hugging Face layout).
 
   On XLA's CPU backend this layout is a few percent faster for the decode-time
-  matrix-vector products than ``[in, out]``, and checkpoints load without transposes. Products
-  over 2-16 rows (verify passes over small trees) go to a CPU kernel, :mod:`eagle_jax.kernels`,
-  which reads ``blocks`` (the weight's integer blocks, set by the loader for GGUF checkpoints)
-  instead of ``weight`` where they exist, for 1-32 rows.
+  matrix-vector products than ``[in, out]``, and checkpoints load without transposes. The
+  product is :func:`eagle_jax.model.ops.linear`; ``blocks`` (the weight's integer blocks,
+  :mod:`eagle_jax.model.blocks`, set by the loader for GGUF checkpoints or by
+  :func:`quantize_linears`) are handed to it, for a platform implementation that reads them
+  instead of ``weight``.
   """
 
   def __init__(self, din: int, dout: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32):
@@ -140,28 +143,26 @@ class Linear(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((dout,), param_dtype)) if bias else None
     self.blocks: WeightBlocks | None = nnx.data(None)
 
-  def __call__(self, x_BxTxI: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
-    """``norm``: an RMSNorm applied to ``x`` first (inside the CPU block kernel where it runs:
-    four fewer XLA operations per norm)."""
-    y = linear(x_BxTxI, self.weight[...], blocks_of(self.blocks),
-               None if norm is None else norm.as_norm())
+  def __call__(self, x_BxTxI: jax.Array | Normed) -> jax.Array:
+    """``x`` may be a :class:`~eagle_jax.model.ops.Normed` value (:meth:`RMSNorm.deferred`)."""
+    y = linear(x_BxTxI, self.weight[...], blocks_of(self.blocks))
     return y if self.bias is None else y + self.bias[...]
 
 
 def round_to_8bit(w_OxI) -> tuple[jax.Array, Blocks]:
   """A float32 weight ``[out, in]`` rounded to 8-bit blocks (:meth:`Blocks.quantize8`): the
   float32 expansion it is replaced by (so every backend computes with the same weights) and the
-  blocks the CPU kernel reads instead."""
+  blocks a platform implementation may read instead."""
   blocks = Blocks.quantize8(np.asarray(w_OxI))
   return jnp.asarray(blocks.dequantize()), jax.tree.map(jnp.asarray, blocks)
 
 
 def quantize_linears(module: nnx.Module) -> int:
   """Rounds every float32 :class:`Linear` in ``module`` without integer blocks (and a width that
-  is a multiple of 32) to 8-bit blocks (:meth:`eagle_jax.kernels.Blocks.quantize8`), and the
-  tied embedding of every :class:`Transformer` in it (its LM head; the lookup then reads the
+  is a multiple of 32) to 8-bit blocks (:meth:`eagle_jax.model.blocks.Blocks.quantize8`), and
+  the tied embedding of every :class:`Transformer` in it (its LM head; the lookup then reads the
   same rounded rows): the weight becomes the blocks' float32 expansion, so every backend
-  computes with the same weights, and the CPU kernel reads the blocks (a quarter of the bytes)
+  computes with the same weights, and the CPU kernels read the blocks (a quarter of the bytes)
   for passes over 1-32 rows. For drafters, whose weights need not be exact: their output is
   verified. Returns how many weights it rounded."""
 
@@ -197,10 +198,11 @@ class Attention(nnx.Module):
                        c.attention_bias, rngs, param_dtype)
     self.o = _linear(c.num_heads * c.head_dim, c.hidden_size, False, rngs, param_dtype)
 
-  def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, bias: "AttnBias", kv_cache, slots_BxT,
-               norm: RMSNorm | None = None):
+  def __call__(self, x_BxTxD: jax.Array | Normed, cos_BxTxDh, sin_BxTxDh, bias: "AttnBias",
+               kv_cache, slots_BxT):
     """Attends the T new tokens to the cache as it was (``bias.cache``) and to each other
-    (``bias.new``), then writes their K/V to ``slots_BxT``.
+    (``bias.new``), then writes their K/V to ``slots_BxT``. ``x`` may be a
+    :class:`~eagle_jax.model.ops.Normed` value.
 
     The old cache and the new K/V are read separately (one softmax over both) and the write
     comes after the reads and depends on them, so XLA updates the cache in place. Writing first
@@ -208,7 +210,7 @@ class Attention(nnx.Module):
     """
     b, t, _ = x_BxTxD.shape
     kh, g, dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-    qkv_BxTxNxDh = self.qkv(x_BxTxD, norm).reshape(b, t, kh * g + 2 * kh, dh)
+    qkv_BxTxNxDh = self.qkv(x_BxTxD).reshape(b, t, kh * g + 2 * kh, dh)
     qk_BxTxNxDh = apply_rope(qkv_BxTxNxDh[:, :, :kh * g + kh], cos_BxTxDh, sin_BxTxDh)
     q_BxTxHxDh = qk_BxTxNxDh[:, :, :kh * g] * (1.0 / math.sqrt(dh))
     k_BxKxTxDh = qk_BxTxNxDh[:, :, kh * g:].transpose(0, 2, 1, 3)
@@ -243,8 +245,9 @@ class MLP(nnx.Module):
     self.gate_up = _linear(d, 2 * f, False, rngs, param_dtype)  # gate rows, then up rows
     self.down = _linear(f, d, False, rngs, param_dtype)
 
-  def __call__(self, x, norm: RMSNorm | None = None):
-    gate, up = jnp.split(self.gate_up(x, norm), 2, axis=-1)
+  def __call__(self, x: jax.Array | Normed):
+    """``x`` may be a :class:`~eagle_jax.model.ops.Normed` value."""
+    gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
     return self.down(jax.nn.silu(gate) * up)
 
 
@@ -260,10 +263,11 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(config, rngs=rngs, param_dtype=param_dtype)
 
   def __call__(self, x_BxTxD, cos, sin, bias: "AttnBias", kv_cache=None, slots_BxT=None):
-    # each norm is handed to the product that reads its output (the CPU kernel applies it)
-    attn_out, new_kv = self.attn(x_BxTxD, cos, sin, bias, kv_cache, slots_BxT, self.input_norm)
+    # each norm is deferred to the products that read its output (ops.linear applies it)
+    h = x_BxTxD if self.input_norm is None else self.input_norm.deferred(x_BxTxD)
+    attn_out, new_kv = self.attn(h, cos, sin, bias, kv_cache, slots_BxT)
     x_BxTxD = x_BxTxD + attn_out
-    return x_BxTxD + self.mlp(x_BxTxD, self.post_norm), new_kv
+    return x_BxTxD + self.mlp(self.post_norm.deferred(x_BxTxD)), new_kv
 
 
 def rope_tables(config: ModelConfig, positions_BxT: jax.Array, dtype):
@@ -287,7 +291,7 @@ class AttnBias:
   cache_BxTxS: jax.Array | None
   new_BxTxT: jax.Array
   # new_BxTxT hides every later new token from each one (causal, or narrower such as packed
-  # segments): attention over many new tokens may skip the upper triangle (kernels.attend)
+  # segments): attention over many new tokens may skip the upper triangle (ops.attend)
   causal: bool = flax.struct.field(pytree_node=False, default=False)
 
   @classmethod
@@ -326,9 +330,8 @@ class Transformer(nnx.Module):
     """``int32 [B, T]``: the greedy token at each position (:func:`~eagle_jax.decoding.sampling.greedy_token`
     of :meth:`lm_logits`), ``chunk`` positions at a time, so the ``[B, T, V]`` logits are never
     held at once. Why: over many positions (feature extraction: 8 rows x 512 tokens, 0.8 GB of
-    logits for the default model) writing and re-reading every logit cost more than the LM
-    head's product; in chunks of 128 the product with its argmax ran 1.4x faster (one-off,
-    2-core EPYC)."""
+    logits for the default model) writing and re-reading every logit costs more than the LM
+    head's product; in chunks the logits stay in cache."""
     b, t, d = hidden_BxTxD.shape
     n = b * t
     pad = -n % chunk

@@ -30,8 +30,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.kernels import Blocks, linear
+from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.config import ModelConfig
+from eagle_jax.model.ops import linear
 from eagle_jax.model.transformer import (
   AttnBias,
   DecoderLayer,

@@ -33,7 +33,7 @@ from flax import nnx
 
 from eagle_jax.decoding.tree import MEDUSA_DEFAULT_CHOICES
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.kernels import linear
+from eagle_jax.model.ops import linear
 from eagle_jax.model.transformer import WeightBlocks, blocks_of, round_to_8bit
 from eagle_jax.training.trainer import at_positions, sample_positions
 
