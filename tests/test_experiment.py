@@ -147,10 +147,10 @@ def test_a_method_timed_again_is_paired_with_a_vanilla_timed_again(finished, tmp
 
   def stored(lm, drafter, dparams, prompts, method, temperature, *rest):
     calls.append((method, temperature))
-    return experiment._read_jsonl(str(results / "tiny" / "records" / f"{method}-T{temperature}.jsonl"))
+    return experiment.store.read_jsonl(str(results / "tiny" / "records" / f"{method}-T{temperature}.jsonl"))
 
   monkeypatch.setattr(experiment, "run_unit", stored)
-  monkeypatch.setattr(experiment, "_measure_costs", lambda *a: None)
+  monkeypatch.setattr(experiment.store, "measure_costs", lambda *a, **k: None)
   summary = experiment.run_experiment(str(config), progress=False)
   # only skip2 changed, and vanilla is timed again beside it at each temperature
   assert calls == [("vanilla", 0.0), ("skip2", 0.0), ("vanilla", 1.0), ("skip2", 1.0)]
@@ -158,7 +158,7 @@ def test_a_method_timed_again_is_paired_with_a_vanilla_timed_again(finished, tmp
   # pld was timed by the first run: it keeps that run's vanilla, kept under baselines/
   kept = list((results / "tiny" / "baselines").glob("vanilla-T0.0-*.jsonl"))
   assert len(kept) == 1
-  first = {r["session"] for r in experiment._read_jsonl(str(out / "records" / "pld-T0.0.jsonl"))}
+  first = {r["session"] for r in experiment.store.read_jsonl(str(out / "records" / "pld-T0.0.jsonl"))}
   assert kept[0].name == f"vanilla-T0.0-{first.pop()}.jsonl"
   for t in ("T0.0", "T1.0"):
     pld, first_run = summary["methods"]["pld"][t], json.loads((out / "summary.json").read_text())
@@ -233,9 +233,9 @@ def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
   final = tmp_path / "final"
   final.mkdir()
   (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 4}))
-  before = experiment._checkpoint_key(str(final))
+  before = experiment.store.checkpoint_key(str(final))
   (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 4, "budget": {"top_k": 4}}))
-  assert experiment._checkpoint_key(str(final)) != before  # re-tuned: its records are stale
+  assert experiment.store.checkpoint_key(str(final)) != before  # re-tuned: its records are stale
   a = experiment._prompts_key([Question("1", "c", ("Say hi.",))])
   assert experiment._prompts_key([Question("1", "c", ("Say bye.",))]) != a  # same id, new text
   assert experiment._prompts_key([Question("1", "c", ("Say hi.",))]) == a

@@ -103,7 +103,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
       continue
     if entry["checkpoint"]:
       row["checkpoint"] = entry["checkpoint"]
-    widths = costs["widths"][m.name]
+    widths = costs["loop_widths"][m.name]
     if costs["chain"][m.name]:  # at batch 1 a chain's drafted depth is its verified width
       used = collections.Counter(next((w for w in widths if w >= d), widths[0])
                                  for r in recs for d in r["drafted_depth"])

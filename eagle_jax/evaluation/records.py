@@ -13,7 +13,7 @@ import jax
 
 from eagle_jax.configs import to_dict
 from eagle_jax.decoding.costs import curve_from_json, draft_cost_ms, sizes_up_to, verify_cost_curve
-from eagle_jax.decoding.speculative import is_chain, verify_widths
+from eagle_jax.decoding.speculative import is_chain, loop_widths, verify_widths
 from eagle_jax.drafters.storage import read_meta
 
 
@@ -145,6 +145,8 @@ def measure_costs(costs, name, target, drafter, dparams, prompt, sizes=()) -> No
     costs["num_nodes"][name] = drafter.num_nodes
     costs.setdefault("widths", {})[name] = list(verify_widths(drafter))
     costs.setdefault("chain", {})[name] = is_chain(drafter)
+    costs.setdefault("loop_widths", {})[name] = list(loop_widths(drafter))
+    costs.setdefault("max_depth", {})[name] = drafter.max_depth
     costs.setdefault("tree", {})[name] = describe(drafter)
     if getattr(drafter, "costs", ()):
       costs.setdefault("width_costs", {})[name] = dict(zip(map(str, verify_widths(drafter)),

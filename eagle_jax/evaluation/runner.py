@@ -46,7 +46,7 @@ from eagle_jax.evaluation import records as store
 from eagle_jax.evaluation.prompts import load_jsonl_prompts, load_mtbench, pick_questions
 from eagle_jax.evaluation.tables import render_markdown, summarize
 from eagle_jax.model.registry import DEFAULT_MODEL, load_model, model_slug
-from eagle_jax.pipeline.train import TrainConfig, run_finished, run_training
+from eagle_jax.pipeline import train as pipeline
 
 
 class _Method:
@@ -149,17 +149,17 @@ def ensure_checkpoint(method: MethodConfig, cfg: ExperimentConfig, progress: boo
   if not method.train:
     return registry.find_checkpoint(method.kind, cfg.runs_dir, cfg.model)
   overrides = (f"runs_dir={cfg.runs_dir}",) + tuple(method.train_overrides)
-  own = load_config(TrainConfig, method.train, overrides)
+  own = load_config(pipeline.TrainConfig, method.train, overrides)
   if own.model != cfg.model and not any(o.startswith("name=") for o in method.train_overrides):
     # the training config's run folder holds its own model's drafter: another target's goes
     # beside it, named after that target
     overrides += (f"name={own.name}-{model_slug(cfg.model)}",)
   overrides += (f"model={cfg.model}",)
-  tcfg = load_config(TrainConfig, method.train, overrides)
+  tcfg = load_config(pipeline.TrainConfig, method.train, overrides)
   final = os.path.join(tcfg.runs_dir, tcfg.name, "final")
-  if not run_finished(tcfg):  # resumes an interrupted run (its training or its tuning)
+  if not pipeline.run_finished(tcfg):  # resumes an interrupted run (its training or its tuning)
     print(f"[run] training {method.name}: {method.train} -> {final}", flush=True)
-    run_training(method.train, overrides, progress=progress)
+    pipeline.run_training(method.train, overrides, progress=progress)
   return final
 
 
@@ -305,8 +305,12 @@ def run_config(cfg: ExperimentConfig, *, progress: bool = True, where: str = "",
         store.measure_costs(costs, m.name, lm.model, *drafters[m.name], prompts[0]["tokens"],
                             sizes=curve_sizes)
         store.write_atomic(costs_path, json.dumps(costs, indent=1))
-    fresh = run_units(lm, {m.name: drafters[m.name] for m in todo}, prompts, temperature,
-                      cfg.eval, progress)
+    if cfg.eval.interleave:
+      fresh = run_units(lm, {m.name: drafters[m.name] for m in todo}, prompts, temperature,
+                        cfg.eval, progress)
+    else:
+      fresh = {m.name: run_unit(lm, *drafters[m.name], prompts, m.name, temperature, cfg.eval,
+                                progress) for m in todo}
     for m in cfg.methods:
       if m.name in fresh:
         cached[m.name] = [dict(r, session=session) for r in fresh[m.name]]

@@ -73,7 +73,8 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict 
       recs = units[(m.name, temp)]
       vrecs = (baselines or {}).get((m.name, temp)) or units[(van, temp)]
       entry = _cell(recs, vrecs)
-      alphas = acceptance_rates([r["accepted"] for r in recs], [r["drafted_depth"] for r in recs])
+      alphas = acceptance_rates([r["accepted"] for r in recs], [r["drafted_depth"] for r in recs],
+                                costs.get("max_depth", {}).get(m.name))
       ref = {(r["id"], r["turn"]): r["token_ids"] for r in vrecs}
       mismatches = sum(r["token_ids"] != ref[(r["id"], r["turn"])] for r in recs)
       cats = sorted({r["category"] for r in recs})
