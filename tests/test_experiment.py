@@ -236,9 +236,9 @@ def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
   before = experiment.store.checkpoint_key(str(final))
   (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 4, "budget": {"top_k": 4}}))
   assert experiment.store.checkpoint_key(str(final)) != before  # re-tuned: its records are stale
-  a = experiment._prompts_key([Question("1", "c", ("Say hi.",))])
-  assert experiment._prompts_key([Question("1", "c", ("Say bye.",))]) != a  # same id, new text
-  assert experiment._prompts_key([Question("1", "c", ("Say hi.",))]) == a
+  a = experiment.store.prompts_key([Question("1", "c", ("Say hi.",))])
+  assert experiment.store.prompts_key([Question("1", "c", ("Say bye.",))]) != a  # same id, new text
+  assert experiment.store.prompts_key([Question("1", "c", ("Say hi.",))]) == a
 
 
 def test_a_run_killed_while_tuning_is_not_finished(tmp_path):
