@@ -58,8 +58,7 @@ inline V Load(const float* p) {
 }
 
 // The lanes of v summed as a tree (halves added, then their halves, ...): the same sum for every
-// call, in about 4 dependent steps where a sum in lane order takes W - 1 (one-off, 4-bit weights
-// in L1: the kernel 5-12% faster over 1-8 token rows than with sums in lane order).
+// call, in about 4 dependent steps where a sum in lane order takes W - 1.
 inline float TreeHsum(vf v) {
 #if defined(__AVX512F__)
   const __m512 z = reinterpret_cast<__m512>(v);
@@ -292,10 +291,8 @@ inline void Pieces4(const float* x, int64_t in, const Cursor<4> (&rows)[R], vf (
 // Requests every cache line of [p, p + bytes) at once. A group of R weight rows is read block
 // by block across its rows (R interleaved streams, 16-32 bytes each per step), which the
 // hardware prefetchers follow poorly: touching the whole group first lets its reads from memory
-// overlap. A one-off timing of the default model's Q8_0 head (49152 x 576, 35 MB) on a 2-core
-// EPYC (one-off C++ harness, noisy shared machine): 2.0-2.9 ms per product without it in 14
-// runs, 1.1-1.8 ms with it in most of about 20 runs (3 at 2.4-2.9 ms); prefetching one group or
-// more ahead was slower than this.
+// overlap; `eagle-jax bench decode --json` reports the block products' time per token
+// (kernel_ms_per_token).
 inline void Prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
 }
