@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from eagle_jax.decoding.generate import generate
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.speculative import speculative_generate
-from eagle_jax.drafters import registry
+from eagle_jax.drafters import interop, registry
 from eagle_jax.drafters.draft_model.train import (
   DraftModelConfig,
   predicted_speedup,
@@ -137,6 +138,16 @@ def _cmd_tune(args) -> None:
   print(json.dumps({k: v for k, v in result.items() if k not in ("by_setting", "rows", "tree")}))
 
 
+def _cmd_export(args) -> None:
+  out = registry.export_published(args.run, args.format, args.out)
+  print(json.dumps({"exported": out, "format": args.format,
+                    "files": sorted(os.listdir(out))}))
+
+
+def _cmd_convert(args) -> None:
+  print(json.dumps({"converted": interop.convert(args.folder)}))
+
+
 def _cmd_demo(args) -> None:
   run_demo(model=args.model, num_questions=args.num_questions, max_new_tokens=args.max_new_tokens)
 
@@ -150,7 +161,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    choices=f.metadata.get("choices"),
                    help=f"{', '.join(registry.readers(name))}: {f.metadata['help']}")
   p.add_argument("--drafter-ckpt", default=None,
-                 help="trained drafters: a trained run folder or its final/; draft-model also a "
+                 help="trained drafters: a trained run folder or its final/, or a published EAGLE, "
+                 "EAGLE-3 or Medusa folder (its kind is detected); draft-model also a "
                  "registered name, HF folder or .gguf sharing the tokenizer (default: the trained "
                  "run with most tokens in --runs-dir)")
   p.add_argument("--runs-dir", default=None, help="where trained drafters are found (default: runs)")
@@ -255,6 +267,18 @@ def build_parser() -> argparse.ArgumentParser:
                   help="EAGLE, Medusa: tune (and then draft) with the head's weights as 8-bit "
                   "blocks (8) or float32 as trained (0)")
   tu.set_defaults(func=_cmd_tune)
+
+  ex = sub.add_parser("export", help="write a trained drafter as a published EAGLE, EAGLE-3 or "
+                      "Medusa checkpoint (what the official code, vLLM and SGLang load)")
+  ex.add_argument("run", help="trained run folder or its final/")
+  ex.add_argument("out", help="output folder")
+  ex.add_argument("--format", required=True, choices=interop.FORMATS)
+  ex.set_defaults(func=_cmd_export)
+
+  cv = sub.add_parser("convert", help="rewrite a published folder's pickled PyTorch weights as "
+                      "safetensors (read once with PyTorch's weights-only loader)")
+  cv.add_argument("folder", help="published EAGLE or Medusa folder")
+  cv.set_defaults(func=_cmd_convert)
 
   d = sub.add_parser("demo", help="chat answers to a few MT-bench questions")
   d.add_argument("--model", default=DEFAULT_MODEL)

@@ -155,6 +155,65 @@ def test_train_errors_are_one_line(trained, tmp_path, capsys):
   assert "--draft-vocab: not used by --drafter eagle3" in capsys.readouterr().err
 
 
+def _published_shapes(folder, name):
+  from safetensors.numpy import load_file
+
+  return {k: list(v.shape) for k, v in load_file(str(folder / name)).items()}
+
+
+def test_published_exports_decode_as_the_native_heads(trained, tmp_path, capsys):
+  """export -> a published folder -> --drafter-ckpt gives the native head's greedy tokens and
+  tau (same budget flags on both sides: a published folder carries no tuned budget)."""
+  torch = pytest.importorskip("torch")
+  from safetensors.torch import load_file
+
+  runs, _ = trained
+  h, q, kv, f, v = 576, 9 * 64, 3 * 64, 1536, 49152  # the default target's sizes
+  cases = {"eagle1": ("eagle", ["--drafter", "eagle2", "--total-tokens", "5", "--depth", "2",
+                                "--top-k-tree", "3", "--draft-vocab", "0", "--head-bits", "0"]),
+           "eagle3": ("eagle3", ["--drafter", "eagle3", "--total-tokens", "5", "--depth", "2",
+                                 "--top-k-tree", "3", "--head-bits", "0"]),
+           "medusa": ("medusa", ["--drafter", "medusa", "--tree", "default", "--head-bits", "0"])}
+  for kind, (fmt, flags) in cases.items():
+    out = tmp_path / fmt
+    capsys.readouterr()
+    assert main(["export", str(runs / f"tiny-{kind}"), str(out), "--format", fmt]) == 0
+    native = _generate(capsys, *flags, "--drafter-ckpt", str(runs / f"tiny-{kind}"))
+    published = _generate(capsys, *flags, "--drafter-ckpt", str(out))
+    assert published["token_ids"] == native["token_ids"], kind
+    assert published["tau"] == native["tau"] and native["tau"] > 1.0, (kind, native["tau"])
+  p = "midlayer."
+  assert _published_shapes(tmp_path / "eagle3", "model.safetensors") == {
+      "fc.weight": [h, 3 * h], **{p + f"self_attn.{n}_proj.weight": [w, 2 * h]
+                                  for n, w in (("q", q), ("k", kv), ("v", kv))},
+      p + "self_attn.o_proj.weight": [h, q], p + "mlp.gate_proj.weight": [f, h],
+      p + "mlp.up_proj.weight": [f, h], p + "mlp.down_proj.weight": [h, f],
+      **{p + f"{n}.weight": [h] for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")},
+      "norm.weight": [h], "lm_head.weight": [4096, h], "d2t": [4096], "t2d": [v]}
+  p = "layers.0."
+  assert _published_shapes(tmp_path / "eagle", "model.safetensors") == {
+      "fc.weight": [h, 2 * h], "fc.bias": [h],
+      **{p + f"self_attn.{n}_proj.weight": [w, h] for n, w in (("q", q), ("k", kv), ("v", kv))},
+      p + "self_attn.o_proj.weight": [h, q], p + "mlp.gate_proj.weight": [f, h],
+      p + "mlp.up_proj.weight": [f, h], p + "mlp.down_proj.weight": [h, f],
+      p + "post_attention_layernorm.weight": [h]}
+  assert _published_shapes(tmp_path / "medusa", "medusa_lm_head.safetensors") == {
+      **{f"{i}.0.linear.weight": [h, h] for i in range(4)}, **{f"{i}.0.linear.bias": [h] for i in range(4)},
+      **{f"{i}.1.weight": [v, h] for i in range(4)}}
+  # the same EAGLE-3 folder as a pickled PyTorch file with a copied embedding beside the head
+  pickled = tmp_path / "eagle3-bin"
+  pickled.mkdir()
+  (pickled / "config.json").write_text((tmp_path / "eagle3" / "config.json").read_text())
+  state = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
+  state["embed_tokens.weight"] = torch.zeros(v, h)
+  torch.save(state, pickled / "pytorch_model.bin")
+  flags = cases["eagle3"][1]
+  assert (_generate(capsys, *flags, "--drafter-ckpt", str(pickled))["token_ids"]
+          == _generate(capsys, *flags, "--drafter-ckpt", str(tmp_path / "eagle3"))["token_ids"])
+  assert main(["export", str(runs / "tiny-eagle1"), str(tmp_path / "x"), "--format", "eagle3"]) == 2
+  assert "holds a eagle1 drafter" in capsys.readouterr().err
+
+
 def test_bench_spec_rows_name_their_checkpoints(trained):
   from eagle_jax.evaluation.bench_spec import bench_spec
 

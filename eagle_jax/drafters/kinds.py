@@ -54,7 +54,10 @@ class Trainable:
   - ``tune(final, lm, tune, split, heldout_metrics)``: picks a budget for this machine and
     records it in the export (None: nothing to tune);
   - ``save(module, folder, lm)`` / ``load(folder, meta)``: the exported weights;
-  - ``validate(cfg)``: checks of the training config that involve this kind.
+  - ``validate(cfg)``: checks of the training config that involve this kind;
+  - ``published``/``write_published(module, folder, meta)``: the published checkpoint format
+    of these weights (:mod:`eagle_jax.drafters.interop`) and its writer (the kind's ``build``
+    reads such folders too).
   """
 
   section: str
@@ -66,6 +69,8 @@ class Trainable:
   tune: Callable[..., dict] | None = None
   token_counts: bool = False
   validate: Callable[[Any], None] | None = None
+  published: str | None = None
+  write_published: Callable[..., str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import dataclasses
 import os
 import typing
 
-from eagle_jax.drafters import pld, storage
+from eagle_jax.drafters import interop, pld, storage
 from eagle_jax.drafters.draft_model import kind as draft_model
 from eagle_jax.drafters.eagle import kind as eagle
 from eagle_jax.drafters.kinds import Context, DrafterKind, flag_for, flag_of, register_flags
@@ -169,3 +169,28 @@ def load_drafter(path: str, kinds=None):
   if kind not in kinds:
     raise EagleJaxError(f"{folder}: holds a {kind!r} drafter; expected one of: {', '.join(kinds)}")
   return KINDS[kind].trainable.load(folder, meta), meta
+
+
+def published_formats() -> dict[str, str]:
+  """Published checkpoint format -> the trainable kind whose weights it holds."""
+  return {k.trainable.published: n for n, k in KINDS.items()
+          if k.trainable is not None and k.trainable.published}
+
+
+def export_published(path: str, fmt: str, out: str) -> str:
+  """Writes the trained drafter at ``path`` (a run or its ``final/``) to ``out`` in published
+  format ``fmt`` (:mod:`eagle_jax.drafters.interop`); returns ``out``."""
+  formats = published_formats()
+  if fmt not in formats:
+    raise EagleJaxError(f"--format {fmt!r}: choose from {', '.join(formats)}")
+  if interop.detect(path) is not None:
+    raise EagleJaxError(f"{path}: already a published {interop.detect(path)} folder")
+  module, meta = load_drafter(path)
+  kind = meta["drafter"]
+  have = get(kind).trainable.published
+  if have != fmt:
+    hint = f"; export it with --format {have}" if have else " (no published format)"
+    raise EagleJaxError(f"{path}: holds a {kind} drafter, not {formats[fmt]}{hint}")
+  if os.path.abspath(out) == os.path.abspath(final_folder(path)):
+    raise EagleJaxError(f"{out}: the export would overwrite the run's own folder; pick another")
+  return get(kind).trainable.write_published(module, out, meta)

@@ -190,11 +190,14 @@ def _linear(din, dout, bias, rngs, param_dtype):
 class Attention(nnx.Module):
   """Grouped-query attention with RoPE; reads and writes one layer of the KV cache."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+               input_size: int | None = None):
+    """``input_size``: the width of the attention's input (default ``hidden_size``; EAGLE-3's
+    draft layer reads ``2 * hidden_size``)."""
     c = config
     self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
     # q, k and v rows stacked in one matrix: one larger matvec per layer is faster when decoding.
-    self.qkv = _linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+    self.qkv = _linear(input_size or c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                        c.attention_bias, rngs, param_dtype)
     self.o = _linear(c.num_heads * c.head_dim, c.hidden_size, False, rngs, param_dtype)
 

@@ -1,16 +1,17 @@
-"""EAGLE draft heads (EAGLE-1 and EAGLE-3) in Flax NNX.
+"""EAGLE draft heads (EAGLE-1 and EAGLE-3) in Flax NNX, as the papers' reference code defines them.
 
-A head predicts the target's next top-level feature from ``concat(embed(token_{t+1}),
-feature_t)`` with one decoder layer of the target's own architecture (:class:`DecoderLayer`,
-first input norm skipped) and reads tokens off it with an LM head:
-
-- **EAGLE-1**: feature = the target's top hidden state (after the final norm); the head's
-  output goes straight into the target's frozen LM head.
-- **EAGLE-3**: feature = ``fuse(concat(norm(low), norm(mid), norm(high)))`` of three target
-  layers (``Linear(3h -> h)``); when drafting deeper the head's own output is fed back instead;
-  either passes ``hidden_norm`` before ``fc``.
-  The output passes a norm and a trainable LM head over a reduced draft vocabulary; ``d2t``
-  maps draft ids to target ids.
+- **EAGLE-1** (also EAGLE-2's weights): ``x = fc([embed(token_{t+1}) | feature_t])`` (``2h -> h``,
+  bias unless the checkpoint has none), then one decoder layer of the target's architecture
+  without its input norm (:class:`DecoderLayer` with ``skip_input_norm``). The feature is the
+  target's top hidden state (after its final norm); the head's output is the predicted next
+  feature, read into tokens by the target's own frozen LM head.
+- **EAGLE-3**: the target's raw residual streams at three layers (low, mid, high; Hugging Face
+  ``hidden_states`` indices) are fused, ``g = fc([low | mid | high])`` (``3h -> h``, no bias).
+  The draft layer reads ``[input_layernorm(embed(token)) | hidden_norm(g)]`` (``2h`` wide) into
+  q/k/v, keeps ``g`` as its residual, and ends with the usual post-attention norm and MLP:
+  ``h = g + attn(...)``, ``h = h + mlp(post_norm(h))``. Draft logits are ``lm_head(norm(h))``
+  over a reduced draft vocabulary whose ids map to target ids through ``d2t``. Drafting deeper
+  (and training-time test) feeds ``h`` itself, un-normed, back in place of ``g``.
 
 The target's embedding and LM head are never copied into the head: they arrive as
 :class:`Frozen` arrays at call time (for a tied model both are the same array).
@@ -34,6 +35,8 @@ from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.config import ModelConfig
 from eagle_jax.model.ops import linear
 from eagle_jax.model.transformer import (
+  MLP,
+  Attention,
   AttnBias,
   DecoderLayer,
   Linear,
@@ -45,18 +48,29 @@ from eagle_jax.model.transformer import (
 )
 
 
+# The EAGLE-3 layout of this module (the published one). Heads saved without it used an
+# earlier layout (per-layer fuse norms and a 2h -> h projection before the layer), which no
+# longer loads: retrain them.
+EAGLE3_LAYOUT = "published"
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleHeadConfig:
+  """``target``: the target's config, with the draft layer's own sizes where an imported head
+  differs (its ``num_layers`` stays the target's: the fuse layers index into it)."""
+
   version: int  # 1 or 3
   target: ModelConfig
   fuse_layers: tuple[int, ...] = ()  # EAGLE-3: Hugging Face hidden_states indices (low, mid, high)
   draft_vocab: int = 0  # EAGLE-3: reduced vocabulary size (0 = the target's)
+  bias: bool = True  # EAGLE-1: fc has a bias (some published heads have none)
 
   def __post_init__(self):
     if self.version not in (1, 3):
       raise EagleJaxError(f"EAGLE version must be 1 or 3, got {self.version}")
-    if self.version == 3 and len(self.fuse_layers) < 2:
-      raise EagleJaxError("EAGLE-3 needs at least two fuse_layers (low, mid, high)")
+    if self.version == 3 and len(self.fuse_layers) != 3:
+      raise EagleJaxError(f"EAGLE-3 fuses three target layers (low, mid, high), got "
+                          f"{len(self.fuse_layers)}")
     if self.version == 1 and (self.fuse_layers or self.draft_vocab):
       raise EagleJaxError("EAGLE-1 uses the target's top feature and full vocabulary "
                           "(fuse_layers and draft_vocab are EAGLE-3 options)")
@@ -74,13 +88,20 @@ class EagleHeadConfig:
     return self.fuse_layers
 
   def to_dict(self) -> dict:
-    return {"version": self.version, "target": self.target.to_hf_dict(),
-            "fuse_layers": list(self.fuse_layers), "draft_vocab": self.draft_vocab}
+    out = {"version": self.version, "target": self.target.to_hf_dict(),
+           "fuse_layers": list(self.fuse_layers), "draft_vocab": self.draft_vocab,
+           "bias": self.bias}
+    return {**out, "layout": EAGLE3_LAYOUT} if self.version == 3 else out
 
   @classmethod
-  def from_dict(cls, d: dict) -> "EagleHeadConfig":
+  def from_dict(cls, d: dict, source: str = "drafter.json") -> "EagleHeadConfig":
+    if int(d["version"]) == 3 and d.get("layout") != EAGLE3_LAYOUT:
+      raise EagleJaxError(f"{source}: an EAGLE-3 head in an earlier layout (fuse norms and a "
+                          "2h -> h projection), which no longer loads; retrain it (eagle-jax "
+                          "train configs/train/eagle3-quick.yaml)")
     return cls(version=int(d["version"]), target=ModelConfig.from_hf_dict(d["target"]),
-               fuse_layers=tuple(d["fuse_layers"]), draft_vocab=int(d["draft_vocab"]))
+               fuse_layers=tuple(d["fuse_layers"]), draft_vocab=int(d["draft_vocab"]),
+               bias=bool(d.get("bias", True)))
 
 
 def default_fuse_layers(num_layers: int) -> tuple[int, int, int]:
@@ -135,51 +156,51 @@ class Frozen:
 class EagleHead(nnx.Module):
 
   def __init__(self, config: EagleHeadConfig, *, rngs: nnx.Rngs, d2t=None, lm_head_init=None):
-    c, d = config, config.target.hidden_size
+    c, d, eps = config, config.target.hidden_size, config.target.rms_norm_eps
     self.config = config
-    v3 = c.version == 3
-    # EAGLE-3 reads raw residual streams (rms in the hundreds, outlier dims in the 10^4s for
-    # SmolLM2): each is RMS-normalised before fusion, and every step's input feature (fused, or
-    # the head's own previous output) passes a norm, as in EAGLE-3's reference design.
-    self.fuse_norms = nnx.List([RMSNorm(d, c.target.rms_norm_eps) for _ in c.fuse_layers]) if v3 else None
-    self.fuse = Linear(len(c.fuse_layers) * d, d, bias=False, rngs=rngs) if v3 else None
-    self.hidden_norm = RMSNorm(d, c.target.rms_norm_eps) if v3 else None
-    self.fc = Linear(2 * d, d, bias=True, rngs=rngs)
-    self.layer = DecoderLayer(c.target, rngs=rngs, skip_input_norm=True)
-    self.norm = RMSNorm(d, c.target.rms_norm_eps) if c.version == 3 else None
-    if c.version == 3:
-      d2t = jnp.arange(c.vocab, dtype=jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32)
-      if d2t.shape != (c.vocab,):
-        raise EagleJaxError(f"d2t map has shape {d2t.shape}, expected ({c.vocab},)")
-      self.d2t = nnx.Variable(d2t)  # not a Param: never trained
-      self.lm_head = Linear(d, c.vocab, bias=False, rngs=rngs)
-      if lm_head_init is not None:  # start from the target's LM head rows of the draft vocab
-        self.lm_head.weight[...] = jnp.asarray(lm_head_init)[d2t]
-    else:
-      self.d2t = None
-      self.lm_head = None
+    if c.version == 1:
+      self.fc = Linear(2 * d, d, bias=c.bias, rngs=rngs)
+      self.layer = DecoderLayer(c.target, rngs=rngs, skip_input_norm=True)
+      self.d2t = self.lm_head = None
+      return
+    self.fc = Linear(len(c.fuse_layers) * d, d, bias=False, rngs=rngs)
+    self.input_norm = RMSNorm(d, eps)
+    self.hidden_norm = RMSNorm(d, eps)
+    self.attn = Attention(c.target, rngs=rngs, input_size=2 * d)
+    self.post_norm = RMSNorm(d, eps)
+    self.mlp = MLP(c.target, rngs=rngs)
+    self.norm = RMSNorm(d, eps)
+    d2t = jnp.arange(c.vocab, dtype=jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32)
+    if d2t.shape != (c.vocab,):
+      raise EagleJaxError(f"d2t map has shape {d2t.shape}, expected ({c.vocab},)")
+    self.d2t = nnx.Variable(d2t)  # draft id -> target id (absolute); not a Param: never trained
+    self.lm_head = Linear(d, c.vocab, bias=False, rngs=rngs)
+    if lm_head_init is not None:  # start from the target's LM head rows of the draft vocab
+      self.lm_head.weight[...] = jnp.asarray(lm_head_init)[d2t]
 
   def fuse_features(self, f_BxTxF: jax.Array) -> jax.Array:
-    """Target features as the engine hands them -> the head's input feature ``[.., D]``."""
-    if self.fuse is None:
-      return f_BxTxF
-    parts = jnp.split(f_BxTxF, len(self.fuse_norms), axis=-1)
-    return self.fuse(jnp.concatenate([n(p) for n, p in zip(self.fuse_norms, parts)], axis=-1))
+    """Target features as the engine hands them -> the head's input feature ``[.., D]``:
+    EAGLE-1's top hidden state as it is, EAGLE-3's ``fc`` of the concatenated layers."""
+    return f_BxTxF if self.config.version == 1 else self.fc(f_BxTxF)
 
   def __call__(self, tokens_BxT, feature_BxTxD, positions_BxT, visible_BxTxS, frozen: Frozen,
                kv, slots_BxT, fresh_cache: bool = False):
-    """One head step over T inputs; returns ``(output_BxTxD, new (k, v))``. ``fresh_cache``:
-    ``kv`` holds nothing yet (the prompt pass), so attention skips reading it, as the target's
-    prompt pass does."""
-    if self.hidden_norm is not None:
-      feature_BxTxD = self.hidden_norm(feature_BxTxD)
+    """One head step over T inputs; returns ``(output_BxTxD, new (k, v))``. ``feature`` is
+    :meth:`fuse_features`' output, or the head's own output of the previous depth.
+    ``fresh_cache``: ``kv`` holds nothing yet (the prompt pass), so attention skips reading it,
+    as the target's prompt pass does."""
     e_BxTxD = jnp.take(frozen.embed_VxD, tokens_BxT, axis=0).astype(feature_BxTxD.dtype)
-    x_BxTxD = self.fc(jnp.concatenate([e_BxTxD, feature_BxTxD], axis=-1))
-    cos, sin = rope_tables(self.config.target, positions_BxT, x_BxTxD.dtype)
+    cos, sin = rope_tables(self.config.target, positions_BxT, feature_BxTxD.dtype)
     bias = AttnBias.from_slots(visible_BxTxS, slots_BxT)
     if fresh_cache:
       bias = bias.replace(cache_BxTxS=None)
-    return self.layer(x_BxTxD, cos, sin, bias, kv, slots_BxT)
+    if self.config.version == 1:
+      x_BxTxD = self.fc(jnp.concatenate([e_BxTxD, feature_BxTxD], axis=-1))
+      return self.layer(x_BxTxD, cos, sin, bias, kv, slots_BxT)
+    x_BxTx2D = jnp.concatenate([self.input_norm(e_BxTxD), self.hidden_norm(feature_BxTxD)], -1)
+    attn_out, new_kv = self.attn(x_BxTx2D, cos, sin, bias, kv, slots_BxT)
+    h_BxTxD = feature_BxTxD + attn_out
+    return h_BxTxD + self.mlp(self.post_norm.deferred(h_BxTxD)), new_kv
 
   def logits(self, out_BxTxD: jax.Array, frozen: Frozen) -> jax.Array:
     """Draft logits over the draft vocabulary (fp32): EAGLE-3's own, else the target head's

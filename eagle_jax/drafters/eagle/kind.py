@@ -15,8 +15,10 @@ from flax import nnx
 
 from eagle_jax.decoding.costs import verify_cost_up_to
 from eagle_jax.decoding.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
+from eagle_jax.drafters import interop
 from eagle_jax.drafters.eagle.drafter import EagleDrafter
 from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig, Frozen
+from eagle_jax.drafters.eagle.official import read_published, write_published
 from eagle_jax.drafters.eagle.train import EagleTask, reply_token_counts, top_tokens
 from eagle_jax.drafters.eagle.tune import tune_budget
 from eagle_jax.drafters.kinds import (
@@ -144,14 +146,28 @@ class Eagle2Options(Eagle3Options):
     _check(self, EAGLE2)
 
 
-def load_head(path: str, version: int | None = None):
-  """``(head, meta)`` of the EAGLE head exported at ``path`` (of ``version`` if given)."""
-  folder = final_folder(path)
-  meta = read_meta(path)
-  if meta.get("drafter") not in (EAGLE1, EAGLE3):
-    raise EagleJaxError(f"{folder}: holds a {meta.get('drafter')!r} drafter; expected one of: "
-                        f"{EAGLE1}, {EAGLE3}")
-  head = _load(folder, meta)
+def load_head(path: str, version: int | None = None, target=None):
+  """``(head, meta)`` of the EAGLE head at ``path`` (of ``version`` if given): a trained run, its
+  ``final/`` folder, or a published EAGLE-1/2 or EAGLE-3 folder (which needs ``target``, the
+  target's :class:`~eagle_jax.model.config.ModelConfig`, for the draft layer's sizes)."""
+  fmt = interop.detect(path)
+  if fmt in (interop.EAGLE, interop.EAGLE3):
+    if target is None:
+      raise EagleJaxError(f"{path}: a published EAGLE folder is read for a given target model")
+    head = read_published(path, target)
+    meta = {"drafter": EAGLE1 if fmt == interop.EAGLE else EAGLE3, "published": fmt,
+            "source": path}
+  elif fmt is not None:
+    raise EagleJaxError(f"{path}: holds a published {fmt} checkpoint; expected an EAGLE head")
+  else:
+    folder = final_folder(path)
+    meta = read_meta(path)
+    head = None
+  if head is None:
+    if meta.get("drafter") not in (EAGLE1, EAGLE3):
+      raise EagleJaxError(f"{folder}: holds a {meta.get('drafter')!r} drafter; expected one of: "
+                          f"{EAGLE1}, {EAGLE3}")
+    head = _load(folder, meta)
   if version is not None and head.config.version != version:
     raise EagleJaxError(f"{path}: holds an EAGLE-{head.config.version} head; this drafter needs "
                         f"EAGLE-{version}")
@@ -171,7 +187,7 @@ def build(target, options, context) -> tuple:
   name = _NAMES[type(options)]
   weights = EAGLE3 if name == EAGLE3 else EAGLE1
   path = context.checkpoint or find_checkpoint(weights, context.runs_dir, context.model)
-  head, meta = load_head(path)
+  head, meta = load_head(path, target=target.config)
   if head.config.version != VERSION[name]:
     raise EagleJaxError(f"{path}: holds an EAGLE-{head.config.version} head; --drafter {name} "
                         f"needs EAGLE-{VERSION[name]}")
@@ -220,7 +236,7 @@ def _save(module, folder: str, lm) -> dict:
 
 
 def _load(folder: str, meta: dict):
-  cfg = EagleHeadConfig.from_dict(meta["head"])
+  cfg = EagleHeadConfig.from_dict(meta["head"], f"{folder}/drafter.json")
   return load_params(nnx.eval_shape(lambda: EagleHead(cfg, rngs=nnx.Rngs(0))), folder)
 
 
@@ -254,14 +270,19 @@ def _validate(cfg) -> None:
                         "(eagle.draft_vocab and eagle.ttt_steps are EAGLE-3 settings)")
 
 
-def _trainable() -> Trainable:
+def _write_published(module, folder: str, meta: dict) -> str:
+  return write_published(module, folder)
+
+
+def _trainable(published: str) -> Trainable:
   return Trainable(section="eagle", config=EagleConfig, task=_task, eval_drafter=_eval_drafter,
-                   save=_save, load=_load, tune=tune, token_counts=True, validate=_validate)
+                   save=_save, load=_load, tune=tune, token_counts=True, validate=_validate,
+                   published=published, write_published=_write_published)
 
 
 KIND_1 = DrafterKind(EAGLE1, "EAGLE-1 head, static 25-node tree (or a chain)", Eagle1Options,
-                     build, weights=EAGLE1, trainable=_trainable())
+                     build, weights=EAGLE1, trainable=_trainable(interop.EAGLE))
 KIND_2 = DrafterKind(EAGLE2, "EAGLE-1 head, dynamic tree (EAGLE-2)", Eagle2Options, build,
                      weights=EAGLE1)
 KIND_3 = DrafterKind(EAGLE3, "EAGLE-3 head over fused low/mid/high features, dynamic tree",
-                     Eagle3Options, build, weights=EAGLE3, trainable=_trainable())
+                     Eagle3Options, build, weights=EAGLE3, trainable=_trainable(interop.EAGLE3))

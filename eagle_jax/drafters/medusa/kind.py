@@ -11,6 +11,7 @@ from flax import nnx
 
 from eagle_jax.decoding.costs import draft_cost_ms, verify_cost_up_to
 from eagle_jax.decoding.tree import MEDUSA_DEFAULT_CHOICES, TreeSpec
+from eagle_jax.drafters import interop
 from eagle_jax.drafters.kinds import (
   HEAD_BITS_HELP,
   DrafterKind,
@@ -20,6 +21,7 @@ from eagle_jax.drafters.kinds import (
   head_bits,
   option,
 )
+from eagle_jax.drafters.medusa import official
 from eagle_jax.drafters.medusa.drafter import MedusaDrafter
 from eagle_jax.drafters.medusa.heads import (
   MedusaConfig,
@@ -104,7 +106,13 @@ def build(target, options: MedusaOptions, context) -> tuple:
 
 
 def load_weights(path: str):
-  """``(heads, meta)`` of the Medusa heads exported at ``path``."""
+  """``(heads, meta)`` of the Medusa heads at ``path``: a trained run, its ``final/`` folder,
+  or a published Medusa-1 folder."""
+  fmt = interop.detect(path)
+  if fmt == interop.MEDUSA:
+    return official.read_published(path), {"drafter": NAME, "published": fmt, "source": path}
+  if fmt is not None:
+    raise EagleJaxError(f"{path}: holds a published {fmt} checkpoint; expected Medusa heads")
   folder = final_folder(path)
   meta = read_meta(path)
   if meta.get("drafter") != NAME:
@@ -163,6 +171,10 @@ def tune(final: str, lm, t, prompts, heldout_metrics: dict | None = None) -> dic
   return result
 
 
+def _write_published(module, folder: str, meta: dict) -> str:
+  return official.write_published(module, folder, meta.get("model"))
+
+
 def _validate(cfg) -> None:
   if cfg.tune.enabled and min(cfg.data.heldout_rows, cfg.loop.eval_rows) < cfg.loop.batch_rows:
     raise EagleJaxError(f"{NAME}'s tree tuning reads held-out rank accuracies: data.heldout_rows and "
@@ -175,4 +187,5 @@ MEDUSA = DrafterKind(
     build, weights=NAME,
     trainable=Trainable(section="medusa", config=MedusaTrainConfig, task=_task,
                         eval_drafter=_eval_drafter, save=_save, load=_load, tune=tune,
-                        validate=_validate))
+                        validate=_validate, published=interop.MEDUSA,
+                        write_published=_write_published))
