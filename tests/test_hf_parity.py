@@ -22,6 +22,11 @@ VARIANTS = {
     "llama3_rope_scaling": ("LlamaConfig", "LlamaForCausalLM", dict(
         rope_theta=5e5, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                           high_freq_factor=4.0, original_max_position_embeddings=64))),
+    # Llama-2 / Vicuna v1.3: multi-head attention, untied head, eps 1e-6, a 2k context
+    "llama2_vicuna": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0)),
+    "llama_linear_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=10000.0, rope_scaling=dict(rope_type="linear", factor=4.0))),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=False)),
 }
@@ -47,7 +52,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, variant):
   if variant == "llama":
     assert (tmp_path / variant / "model.safetensors.index.json").exists()
   config, model = load_hf_folder(folder)
-  assert config.architecture == variant.split("_")[0].replace("llama3", "llama")
+  assert config.architecture == VARIANTS[variant][0].removesuffix("Config").lower()
   rng = np.random.default_rng(0)
   ids = rng.integers(3, COMMON["vocab_size"], (2, 40))
   with torch.no_grad():

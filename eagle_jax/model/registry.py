@@ -18,7 +18,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.checkpoints import load_hf_folder
@@ -123,8 +122,10 @@ def resolve(name_or_path: str) -> str:
       "a checkpoint folder or a .gguf file")
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, param_dtype=jnp.float32) -> LoadedModel:
-  """Loads model and tokenizer by registered name, Hugging Face folder or GGUF path."""
+def load_model(name_or_path: str = DEFAULT_MODEL, param_dtype=None) -> LoadedModel:
+  """Loads model and tokenizer by registered name, Hugging Face folder or GGUF path.
+  ``param_dtype``: as in :func:`~eagle_jax.model.checkpoints.load_hf_folder` (None: the
+  checkpoint's own dtype; GGUF conversions are float32, so they load as float32)."""
   folder = resolve(name_or_path)
   config, model = load_hf_folder(folder, param_dtype)
   tokenizer = Tokenizer.from_folder(folder, config.eos_token_ids)
