@@ -19,12 +19,14 @@ from eagle_jax.drafters.draft_model.train import (
 from eagle_jax.drafters.kinds import Context, flag_of
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation.bench_decode import bench_decode
+from eagle_jax.evaluation.bench_regenerate import bench_regenerate
 from eagle_jax.evaluation.bench_spec import bench_spec
 from eagle_jax.evaluation.demo import run_demo
 from eagle_jax.evaluation.runner import run_experiment
 from eagle_jax.evaluation.tables import render
 from eagle_jax.model.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
 from eagle_jax.pipeline.train import run_training, tune_checkpoint
+from eagle_jax.training.regenerate import regenerate
 from eagle_jax.training.settings import TuneConfig
 
 
@@ -56,7 +58,7 @@ def _cmd_generate(args) -> None:
     raise EagleJaxError("empty prompt: give a non-empty user message")
   # before loading anything
   options = registry.make_options(args.drafter, _set_options(args), _context_set(args))
-  lm = load_model(args.model)
+  lm = load_model(args.model, args.dtype)
   prompt = lm.tokenizer.chat_prompt(args.message)
   drafter, dparams = registry.build(args.drafter, lm.model, options, _context(args, args.model))
   common = dict(max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
@@ -72,7 +74,8 @@ def _cmd_generate(args) -> None:
              "target_passes": len(gen.accepted[0]),
              "tau_counts": "tokens per target verify pass, bonus token included, prefill excluded"}
   if args.json:
-    print(json.dumps({"model": args.model, "drafter": args.drafter, "prompt_tokens": len(prompt),
+    print(json.dumps({"model": args.model, "drafter": args.drafter,
+                      "dtype": str(lm.model.embed.dtype), "prompt_tokens": len(prompt),
                       "token_ids": gen.tokens[0], "text": text, "new_tokens": gen.num_new[0],
                       "tokens_per_s": round(gen.tokens_per_s, 3), "seconds": round(gen.seconds, 4),
                       "compile_seconds": round(gen.compile_seconds, 3), **stats,
@@ -100,6 +103,17 @@ def _cmd_bench_spec(args) -> None:
                       runs_dir=args.runs_dir or "runs", with_hf=not args.no_hf,
                       repeats=args.repeats)
   print(json.dumps(result, indent=None if args.json else 2))
+
+
+def _cmd_bench_regenerate(args) -> None:
+  result = bench_regenerate(model=args.model, batch_sizes=args.batch_sizes,
+                            num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, seed=args.seed)
+  print(json.dumps(result, indent=None if args.json else 2))
+
+
+def _cmd_data_regenerate(args) -> None:
+  print(json.dumps(regenerate(args.config, args.overrides)))
 
 
 def _cmd_bench_draft_sizes(args) -> None:
@@ -195,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--max-new-tokens", type=int, default=256)
   g.add_argument("--max-cache-len", type=int, default=None, help="default: model context length")
   g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                 help="the target's parameters (default: a Hugging Face folder's own dtype; "
+                 "GGUF conversions are float32)")
   g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
   g.add_argument("--drafter", default="vanilla", choices=registry.NAMES,
                  help="speculative drafter (vanilla = plain decoding)")
@@ -227,6 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
   bs.add_argument("--json", action="store_true", help="compact single-line JSON")
   bs.set_defaults(func=_cmd_bench_spec)
 
+  bg = bsub.add_parser("regenerate", help="batched generation throughput, as data regenerate "
+                       "answers ShareGPT prompts")
+  bg.add_argument("--model", default=DEFAULT_MODEL)
+  bg.add_argument("--batch-sizes", type=_int_list, default="1,8,32", help="comma-separated")
+  bg.add_argument("--num-prompts", type=int, default=32, help="ShareGPT training-split first turns")
+  bg.add_argument("--max-new-tokens", type=int, default=64)
+  bg.add_argument("--temperature", type=float, default=0.0)
+  bg.add_argument("--seed", type=int, default=0)
+  bg.add_argument("--json", action="store_true", help="compact single-line JSON")
+  bg.set_defaults(func=_cmd_bench_regenerate)
+
   bz = bsub.add_parser("draft-sizes", help="draft-model decode cost vs the target's, per shape")
   bz.add_argument("--model", default=DEFAULT_MODEL)
   bz.add_argument("--shapes", type=_draft_shapes, default="L2-d256,L4-d256,L8-d256,L4-d384,L4-d576",
@@ -239,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("config", help="training config YAML, e.g. configs/train/eagle1-quick.yaml")
   t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-4")
   t.set_defaults(func=_cmd_train)
+
+  da = sub.add_parser("data", help="datasets for training")
+  dsub = da.add_subparsers(dest="data", required=True)
+  dr = dsub.add_parser("regenerate", help="answer ShareGPT training prompts with the target itself "
+                       "(resumable)")
+  dr.add_argument("config", help="regeneration config YAML, e.g. "
+                  "configs/data/sharegpt-target-greedy.yaml")
+  dr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. batch_size=32")
+  dr.set_defaults(func=_cmd_data_regenerate)
 
   r = sub.add_parser("run", help="run an experiment: train missing drafters, evaluate, tabulate")
   r.add_argument("config", help="experiment config YAML, e.g. configs/quickstart.yaml")

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
+from eagle_jax import cli
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.checkpoints import (load_hf_folder, read_safetensors, save_hf_folder,
                                          write_safetensors)
@@ -182,3 +183,14 @@ def test_bf16_load_peak_host_memory(tmp_path):
   result = json.loads(run.stdout.strip().splitlines()[-1])
   assert result["dtype"] == "bfloat16"
   assert result["increase"] < 1.5 * size, f"peak RSS rose {result['increase'] / size:.2f}x the file"
+
+
+def test_cli_generate_in_bfloat16_is_lossless_against_bfloat16_vanilla(capsys):
+  runs = {}
+  for drafter in ("vanilla", "pld"):
+    assert cli.main(["generate", "--dtype", "bfloat16", "--drafter", drafter, "--max-new-tokens",
+                     "32", "--json", "List three uses of a paperclip, then repeat the list."]) == 0
+    runs[drafter] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert {r["dtype"] for r in runs.values()} == {"bfloat16"}
+  assert runs["pld"]["token_ids"] == runs["vanilla"]["token_ids"]
+  assert len(runs["vanilla"]["token_ids"]) > 0

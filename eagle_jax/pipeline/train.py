@@ -4,7 +4,9 @@ A training config (:class:`TrainConfig`, YAML validated by :mod:`eagle_jax.confi
 target, the drafter (eagle1, eagle3, medusa or draft-model), the data budget, the optimizer
 and the loop. The feature cache lives in ``<runs_dir>/features/<model>-sharegpt-<key>.../``
 and is shared by every drafter trained on the same target and data settings (its key does not
-depend on the drafter); the run lives in ``<runs_dir>/<name>/`` (``checkpoints/``,
+depend on the drafter); with ``data.replies: target`` the train rows come from a regenerated
+dataset (:mod:`eagle_jax.training.regenerate`) and live in ``<model>-target<digest>-<key>.../``;
+the run lives in ``<runs_dir>/<name>/`` (``checkpoints/``,
 ``metrics.jsonl``, ``config.yaml``, ``summary.json``) and its exported drafter in
 ``<runs_dir>/<name>/final/`` (:mod:`eagle_jax.drafters.storage`), which ``--drafter-ckpt`` accepts.
 """
@@ -26,6 +28,7 @@ from eagle_jax.drafters.storage import final_folder, read_meta
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.registry import DEFAULT_MODEL, load_model
 from eagle_jax.training.features import FeatureShards, FeatureSpec, extract_features
+from eagle_jax.training.regenerate import read_regenerated, regenerated_manifest
 from eagle_jax.training.settings import (
   DataConfig,
   DecodeEvalConfig,
@@ -79,7 +82,12 @@ class _Encoded:
 
 
 def feature_caches(cfg: TrainConfig, lm, *, progress=True):
-  """Extracts (or reuses) the train and held-out feature caches; returns their folders."""
+  """Extracts (or reuses) the train and held-out feature caches; returns their folders.
+
+  With ``data.replies: target`` the train rows come from the regenerated conversations in
+  ``data.regenerated``, cached under a name holding that dataset's content digest (a ShareGPT
+  cache is never reused for it, nor one of another regenerated dataset); the held-out rows are
+  the ShareGPT held-out ones, the very cache ``replies: sharegpt`` uses."""
   layers = cfg.features.layers or default_fuse_layers(lm.config.num_layers)
   if max(layers) > lm.config.num_layers:
     raise EagleJaxError(f"features.layers {list(layers)}: {cfg.model} has hidden_states 0..."
@@ -87,23 +95,49 @@ def feature_caches(cfg: TrainConfig, lm, *, progress=True):
   spec = FeatureSpec(model=cfg.model, row_len=cfg.data.row_len, max_len=cfg.data.max_len,
                      layers=tuple(layers), rows_per_shard=cfg.features.rows_per_shard,
                      batch_rows=cfg.features.batch_rows)
-  tag = (f"{os.path.basename(cfg.model.rstrip('/'))}-sharegpt-{spec.key()}-split"
-         f"{cfg.data.split_seed}-held{cfg.data.heldout_fraction}")
-  root = os.path.join(cfg.runs_dir, "features", tag)
+  stem = os.path.basename(cfg.model.rstrip("/"))
+  rest = f"{spec.key()}-split{cfg.data.split_seed}-held{cfg.data.heldout_fraction}"
+  root = os.path.join(cfg.runs_dir, "features", f"{stem}-sharegpt-{rest}")
   dirs = {"train": os.path.join(root, "train"), "heldout": os.path.join(root, "heldout")}
+  regenerated = None
+  if cfg.data.replies == "target":
+    regenerated = regenerated_manifest(cfg.data.regenerated, cfg.model)
+    digest = regenerated["content_sha256"][:12]
+    dirs["train"] = os.path.join(cfg.runs_dir, "features", f"{stem}-target{digest}-{rest}",
+                                 "train")
   budget = {"train": cfg.data.train_rows or None, "heldout": cfg.data.heldout_rows}
   todo = [s for s in dirs if not _has_rows(dirs[s], budget[s])]
   if todo:
-    sg = load_sharegpt()
-    print(sg.summary())
-    train, held = split_heldout(sg.conversations, cfg.data.heldout_fraction, cfg.data.split_seed)
-    convs = {"train": train, "heldout": held}
+    convs = {}
+    if regenerated is None or "heldout" in todo:
+      sg = load_sharegpt()
+      print(sg.summary())
+      convs["train"], convs["heldout"] = split_heldout(sg.conversations, cfg.data.heldout_fraction,
+                                                       cfg.data.split_seed)
+    if regenerated is not None and "train" in todo:
+      convs["train"] = _regenerated_training(cfg, regenerated)
     for split in todo:
       m = extract_features(lm.model, _Encoded(lm.tokenizer, convs[split], cfg.data.max_len),
                            dirs[split], spec, max_rows=budget[split], progress=progress)
       if m.get("last_run"):
         print(f"features[{split}]: {json.dumps(m['last_run'])}")
   return dirs
+
+
+def _regenerated_training(cfg: TrainConfig, manifest: dict):
+  """The regenerated conversations, refused if any lies in this config's held-out split."""
+  folder = cfg.data.regenerated
+  convs = read_regenerated(folder, manifest)
+  held = split_heldout(convs, cfg.data.heldout_fraction, cfg.data.split_seed)[1]
+  if held:
+    made = manifest.get("config", {})
+    raise EagleJaxError(
+        f"data.regenerated: {folder}: {len(held)} of its conversations are held out under "
+        f"data.heldout_fraction={cfg.data.heldout_fraction}, data.split_seed={cfg.data.split_seed} "
+        f"(it was made with heldout_fraction={made.get('heldout_fraction')}, split_seed="
+        f"{made.get('split_seed')}); regenerate it with this split")
+  print(f"regenerated replies: {len(convs)} conversations from {folder}")
+  return convs
 
 
 def _has_rows(path, rows):
@@ -169,6 +203,8 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   registry.export_drafter(cfg.drafter, result.module, final, {
       "model": cfg.model,
       "split": {"heldout_fraction": cfg.data.heldout_fraction, "split_seed": cfg.data.split_seed},
+      **({"replies": {"kind": "target", "regenerated": cfg.data.regenerated}}
+         if cfg.data.replies == "target" else {}),
       "steps": result.steps, "train_tokens": result.tokens,
       "train_seconds": round(result.seconds, 1),
       "heldout": {k: round(v, 4) for k, v in result.last_eval.items() if "rank" not in k}},

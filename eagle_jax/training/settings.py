@@ -6,6 +6,7 @@ beside the sections of the kinds it can train."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.training.sharegpt import load_sharegpt, split_heldout
@@ -19,10 +20,21 @@ class DataConfig:
   train_rows: int = 256  # feature-cache budget (0 = every training conversation)
   heldout_rows: int = 16
   split_seed: int = 0
+  # the assistant replies trained on: ShareGPT's own, or the target's (a folder that
+  # eagle-jax data regenerate wrote from this split's training conversations, in ``regenerated``);
+  # the held-out rows are ShareGPT's held-out conversations either way
+  replies: Literal["sharegpt", "target"] = "sharegpt"
+  regenerated: str = ""
 
   def validate(self):
     if not 0 < self.heldout_fraction < 1:
       raise EagleJaxError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+    if self.replies == "target" and not self.regenerated:
+      raise EagleJaxError("replies: target needs regenerated: the folder of a regenerated dataset "
+                          "(eagle-jax data regenerate CONFIG writes one)")
+    if self.replies == "sharegpt" and self.regenerated:
+      raise EagleJaxError(f"regenerated: {self.regenerated!r} is read only with replies: target "
+                          "(replies is sharegpt)")
     if self.max_len > self.row_len:
       raise EagleJaxError(f"max_len ({self.max_len}) must not exceed row_len ({self.row_len})")
     if self.max_len < 2 or self.train_rows < 0 or self.heldout_rows < 0:
