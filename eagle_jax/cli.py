@@ -22,6 +22,7 @@ from eagle_jax.evaluation.bench_decode import bench_decode
 from eagle_jax.evaluation.bench_regenerate import bench_regenerate
 from eagle_jax.evaluation.bench_spec import bench_spec
 from eagle_jax.evaluation.demo import run_demo
+from eagle_jax.evaluation.dryrun import dry_run, render_plan
 from eagle_jax.evaluation.runner import run_experiment
 from eagle_jax.evaluation.tables import render
 from eagle_jax.model.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
@@ -136,6 +137,10 @@ def _cmd_train(args) -> None:
 
 
 def _cmd_run(args) -> None:
+  if args.dry_run:
+    plan = dry_run(args.config, args.overrides)
+    print(json.dumps(plan, indent=1) if args.json else render_plan(plan))
+    return
   run_experiment(args.config, args.overrides)
 
 
@@ -280,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
   r = sub.add_parser("run", help="run an experiment: train missing drafters, evaluate, tabulate")
   r.add_argument("config", help="experiment config YAML, e.g. configs/quickstart.yaml")
   r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.num_questions=8")
+  r.add_argument("--dry-run", action="store_true", help="check the config, the target's and the "
+                 "checkpoints' config.json files against each other and print the plan; loads "
+                 "no weights")
+  r.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
   r.set_defaults(func=_cmd_run)
 
   tb = sub.add_parser("table", help="paper-style table from experiment results folders")

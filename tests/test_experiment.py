@@ -13,6 +13,7 @@ from eagle_jax.configs import load_config
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation.runner import ExperimentConfig, load_experiment
 from eagle_jax.pipeline.train import TrainConfig
+from eagle_jax.training.regenerate import RegenerateConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
@@ -25,6 +26,10 @@ def test_every_config_loads_and_says_how_to_run_it(path):
   assert any("Run" in l for l in header), f"{path}: header must give the command that runs it"
   if f"{os.sep}train{os.sep}" in path:
     load_config(TrainConfig, path)
+    return
+  if f"{os.sep}data{os.sep}" in path:  # a dataset config says where its dataset goes
+    assert any("Writes" in l for l in header), f"{path}: header must say what it writes"
+    load_config(RegenerateConfig, path)
     return
   assert any("Reaches" in l for l in header), f"{path}: header must say what it should reach"
   cfg = load_experiment(path)

@@ -236,3 +236,15 @@ def test_cli_verbs_print_json(dataset, capsys):
   assert out["records"] == summary["records"] and out["last_run"]["shards_written"] == 0
   assert main(["data", "regenerate", TINY, "batch_size=0"]) == 2
   assert "batch_size must be >= 1" in capsys.readouterr().err
+
+
+def test_replies_holding_unicode_line_separators_read_back_whole(tmp_path):
+  # json.dumps(ensure_ascii=False) writes U+2028 / U+2029 / U+0085 raw: they are not line ends
+  reply = "one\u2028two\u2029three\x85four"
+  records = [{"id": f"c{i}", "messages": [{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": reply + str(i)}]}
+             for i in range(2)]
+  (tmp_path / "shard_00000.jsonl").write_text(
+      "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+  out = regen.read_regenerated(str(tmp_path), {"dataset": ["shard_00000.jsonl"]})
+  assert [c.messages[1]["content"] for c in out] == [reply + "0", reply + "1"]

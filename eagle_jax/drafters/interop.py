@@ -64,6 +64,35 @@ def detect(folder: str) -> str | None:
   return EAGLE
 
 
+def format_of(folder: str) -> str | None:
+  """:func:`detect`, or, in a folder whose weights file is not there yet, the format its
+  ``config.json`` names (Medusa's ``medusa_num_heads``; EAGLE-3's ``draft_vocab_size`` or an
+  ``Eagle3`` architecture; else EAGLE-1/2). For checking a folder without its weights."""
+  fmt = detect(folder)
+  if (fmt is not None or weights_file(folder) is not None or not os.path.isdir(folder)
+      or os.path.isfile(os.path.join(folder, "drafter.json"))
+      or not os.path.isfile(os.path.join(folder, "config.json"))):
+    return fmt
+  raw = read_config(folder)
+  if "medusa_num_heads" in raw:
+    return MEDUSA
+  if "draft_vocab_size" in raw or any("eagle3" in str(a).lower() for a in raw.get("architectures") or ()):
+    return EAGLE3
+  return EAGLE
+
+
+def tensor_shapes(path: str | None) -> dict[str, list[int]]:
+  """Names and shapes of a safetensors file's tensors from its header (no tensor is read);
+  empty for a pickled file or no file."""
+  if path is None or path.endswith(PICKLES):
+    return {}
+  try:
+    with safe_open(path, framework="numpy") as f:
+      return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+  except Exception as e:
+    raise EagleJaxError(f"{path}: corrupt safetensors file ({type(e).__name__}: {e})") from None
+
+
 def read_config(folder: str) -> dict:
   path = os.path.join(folder, "config.json")
   try:

@@ -81,6 +81,10 @@ class DrafterKind:
   build: Callable[[Any, Any, Context], tuple]  # (target, options, context) -> (drafter, dparams)
   weights: str | None = None  # the trained kind whose weights it drafts with
   trainable: Trainable | None = None
+  # (checkpoint, target ModelConfig, options) -> a one-line description, checking the
+  # checkpoint against the target from config files only (no weights read); None: the
+  # checkpoint folder is only required to exist
+  check: Callable[[str, Any, Any], str] | None = None
 
   def make_options(self, values: dict) -> Any:
     """This kind's options from ``{field: value}``; a field it does not read is an error."""

@@ -106,6 +106,17 @@ def build(name: str, target, options=None, context: Context = Context()) -> tupl
   return kind.build(target, kind.options() if options is None else options, context)
 
 
+def check(name: str, checkpoint: str, target_config, options=None) -> str:
+  """A one-line description of the checkpoint kind ``name`` would draft with, checked against
+  the target's :class:`~eagle_jax.model.config.ModelConfig` from config files only (no
+  weights read); a checkpoint for another target, or of another kind, is a one-line error."""
+  kind = get(name)
+  if not os.path.exists(checkpoint):
+    raise EagleJaxError(f"{checkpoint}: no such checkpoint folder (--drafter {name})")
+  options = kind.options() if options is None else options
+  return kind.check(checkpoint, target_config, options) if kind.check else checkpoint
+
+
 def checkpoint_of(name: str, context: Context) -> str | None:
   """The checkpoint a trained kind drafts with (None for kinds without weights)."""
   kind = get(name)

@@ -104,7 +104,9 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
     if entry["checkpoint"]:
       row["checkpoint"] = entry["checkpoint"]
     widths = costs["loop_widths"][m.name]
-    if costs["chain"][m.name]:  # at batch 1 a chain's drafted depth is its verified width
+    # at batch 1 a chain's drafted depth is its verified width; a tree with one verify width
+    # runs it whenever it drafted anything (and the plain step otherwise)
+    if costs["chain"][m.name] or len(costs["widths"][m.name]) == 1:
       used = collections.Counter(next((w for w in widths if w >= d), widths[0])
                                  for r in recs for d in r["drafted_depth"])
       row["steps_by_width"] = {str(w): used[w] for w in widths}

@@ -45,7 +45,7 @@ from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation import records as store
 from eagle_jax.evaluation.prompts import load_jsonl_prompts, load_mtbench, pick_questions
 from eagle_jax.evaluation.tables import render_markdown, summarize
-from eagle_jax.model.registry import DEFAULT_MODEL, load_model, model_slug
+from eagle_jax.model.registry import DEFAULT_MODEL, REGISTRY, load_model, model_slug
 from eagle_jax.pipeline import train as pipeline
 
 
@@ -77,6 +77,24 @@ class _Method:
       self.options()
     except EagleJaxError as e:
       raise EagleJaxError(f"method {self.name!r}: {e}") from None
+    temps = [p.temperature for p in self.published]
+    if len(set(temps)) != len(temps):
+      raise EagleJaxError(f"method {self.name!r}: published: one entry per temperature, got {temps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """A figure a paper reports for a method, shown beside the measured one in the tables."""
+  temperature: float
+  source: str  # the paper and table (or leaderboard) it comes from
+  speedup: float | None = None
+  tau: float | None = None
+
+  def validate(self):
+    if not self.source.strip():
+      raise EagleJaxError("published: source must name where the figure comes from")
+    if self.speedup is None and self.tau is None:
+      raise EagleJaxError(f"published ({self.source}): give speedup and/or tau")
 
 
 # One method of an experiment: a row label, its drafter kind (default: the name), where its
@@ -85,7 +103,7 @@ class _Method:
 MethodConfig = dataclasses.make_dataclass(
     "MethodConfig",
     [("name", str), ("drafter", str, ""), ("checkpoint", str, ""), ("train", str, ""),
-     ("train_overrides", tuple[str, ...], ())]
+     ("train_overrides", tuple[str, ...], ()), ("published", tuple[Published, ...], ())]
     + [(name, tp | None, None) for name, tp in registry.option_types().items()],
     bases=(_Method,), frozen=True, namespace={"__module__": __name__})
 
@@ -122,6 +140,12 @@ class ExperimentConfig:
   model: str = DEFAULT_MODEL
   runs_dir: str = "runs"
   results_dir: str = "results"
+  # the folder relative ``model`` and ``checkpoint`` paths are read from ("": the working
+  # directory); registered model names stay names
+  checkpoints_dir: str = ""
+  # "" = the target tokenizer's own; a name in eagle_jax.model.tokenizer.CHAT_TEMPLATES
+  # ("vicuna") or a Jinja file, for targets whose tokenizer has none
+  chat_template: str = ""
   eval: EvalConfig = EvalConfig()
 
   def validate(self):
@@ -137,7 +161,18 @@ class ExperimentConfig:
 
 
 def load_experiment(path: str, overrides=()) -> ExperimentConfig:
-  return load_config(ExperimentConfig, path, overrides)
+  return under_checkpoints_dir(load_config(ExperimentConfig, path, overrides))
+
+
+def under_checkpoints_dir(cfg: ExperimentConfig) -> ExperimentConfig:
+  """``cfg`` with its relative model and checkpoint paths joined to ``checkpoints_dir``."""
+  if not cfg.checkpoints_dir:
+    return cfg
+  root = os.path.expanduser(cfg.checkpoints_dir)
+  join = lambda p: p if not p or os.path.isabs(p) else os.path.join(root, p)
+  return dataclasses.replace(
+      cfg, checkpoints_dir=root, model=cfg.model if cfg.model in REGISTRY else join(cfg.model),
+      methods=tuple(dataclasses.replace(m, checkpoint=join(m.checkpoint)) for m in cfg.methods))
 
 
 # -- preparation -------------------------------------------------------------------------------
@@ -270,6 +305,8 @@ def run_config(cfg: ExperimentConfig, *, progress: bool = True, where: str = "",
   dump_config(cfg, os.path.join(out, "config.yaml"))
   questions = questions_for(cfg.eval)  # a bad prompt file or category fails before any training
   lm = load_model(cfg.model)
+  if cfg.chat_template:
+    lm.tokenizer.use_chat_template(cfg.chat_template)
   checkpoints = {m.name: ensure_checkpoint(m, cfg, progress) if m.kind in registry.TRAINED else None
                  for m in cfg.methods}
   qkey = store.prompts_key(questions)

@@ -94,6 +94,10 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict 
                                     [r for r in vrecs if r["category"] == c]) for c in cats}})
       per_t[f"T{temp}"] = entry
     methods[m.name] = {"drafter": m.kind, "checkpoint": checkpoints.get(m.name), **per_t}
+    if m.published:
+      methods[m.name]["published"] = {f"T{p.temperature}": {"speedup": p.speedup, "tau": p.tau,
+                                                            "source": p.source}
+                                      for p in m.published}
   ev = cfg.eval
   return {"name": cfg.name, "model": cfg.model, "methods": methods,
           "settings": {**to_dict(ev), "temperatures": list(ev.temperatures), "tau": TAU,
@@ -138,14 +142,33 @@ def _rows(summaries):
       yield (f"{s['name']}/{name}" if multi else name), entry, temps
 
 
+def _paper_temps(summaries, temps) -> list[str]:
+  """The temperatures some method of ``summaries`` has a published figure at (paper columns)."""
+  return [t for t in temps if any(t in e.get("published", {}) for _, e, _ in _rows(summaries))]
+
+
+def _paper(e, t, times="x") -> str:
+  """A method's published "speedup / tau" at ``t`` ("-" for a figure the paper does not give)."""
+  p = e.get("published", {}).get(t)
+  return "-" if p is None else f"{_fmt(p.get('speedup'), times)} / {_fmt(p.get('tau'))}"
+
+
+def _sources(summaries) -> list[str]:
+  return list(dict.fromkeys(p["source"] for _, e, _ in _rows(summaries)
+                            for p in e.get("published", {}).values()))
+
+
 def render_markdown(summaries: list[dict], per_category: bool = False) -> str:
   temps = list(dict.fromkeys(t for _, _, ts in _rows(summaries) for t in ts))
+  paper = _paper_temps(summaries, temps)
   head = ["Method"] + [f"{c} ({t.replace('T', 'T=')})" for t in temps for c in ("Speedup", "τ")]
+  head += [f"Paper ({t.replace('T', 'T=')})" for t in paper]
   lines = ["| " + " | ".join(head + ["Notes"]) + " |", "|" + "---|" * (len(head) + 1)]
   for label, e, _ in _rows(summaries):
     cells = []
     for t in temps:
       cells += [_fmt(e.get(t, {}).get("speedup"), "x"), _fmt(e.get(t, {}).get("tau"))]
+    cells += [_paper(e, t) for t in paper]
     bad = [f"{t}: {e[t]['greedy_mismatches']} greedy mismatches vs vanilla" for t in temps
            if (e.get(t) or {}).get("greedy_mismatches")]
     bad += [f"{t}: vanilla timed in another run" for t in temps
@@ -156,6 +179,9 @@ def render_markdown(summaries: list[dict], per_category: bool = False) -> str:
                "(unless the Notes say otherwise). "
                f"Prompts: {s0.get('prompts')}; max_new_tokens {s0.get('max_new_tokens')}, "
                f"batch {s0.get('batch_size')}.")
+  if paper:
+    lines.append("Paper: the published speedup / τ of the method's setting (its own hardware "
+                 "and target), from " + "; ".join(_sources(summaries)) + ".")
   if per_category:
     for t in temps:
       cats = sorted({c for _, e, _ in _rows(summaries) for c in e.get(t, {}).get("per_category", {})})
@@ -170,14 +196,18 @@ def render_markdown(summaries: list[dict], per_category: bool = False) -> str:
 
 def render_latex(summaries: list[dict], per_category: bool = False) -> str:
   temps = list(dict.fromkeys(t for _, _, ts in _rows(summaries) for t in ts))
+  paper = _paper_temps(summaries, temps)
   esc = lambda s: s.replace("_", r"\_").replace("%", r"\%")
-  out = [r"\begin{tabular}{l" + "cc" * len(temps) + "}", r"\toprule",
-         " & " + " & ".join(rf"\multicolumn{{2}}{{c}}{{$T={t[1:]}$}}" for t in temps) + r" \\",
-         "Method & " + " & ".join(["Speedup & $\\tau$"] * len(temps)) + r" \\", r"\midrule"]
+  out = [r"\begin{tabular}{l" + "cc" * len(temps) + "c" * len(paper) + "}", r"\toprule",
+         " & " + " & ".join([rf"\multicolumn{{2}}{{c}}{{$T={t[1:]}$}}" for t in temps]
+                            + [f"Paper $T={t[1:]}$" for t in paper]) + r" \\",
+         "Method & " + " & ".join(["Speedup & $\\tau$"] * len(temps) + ["Speedup / $\\tau$"] * len(paper))
+         + r" \\", r"\midrule"]
   for label, e, _ in _rows(summaries):
     cells = []
     for t in temps:
       cells += [_fmt(e.get(t, {}).get("speedup"), r"$\times$"), _fmt(e.get(t, {}).get("tau"))]
+    cells += [_paper(e, t, r"$\times$") for t in paper]
     out.append(esc(label) + " & " + " & ".join(cells) + r" \\")
   out += [r"\bottomrule", r"\end{tabular}"]
   if per_category:

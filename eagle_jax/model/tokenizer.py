@@ -9,6 +9,30 @@ from eagle_jax.errors import EagleJaxError
 
 Messages = Sequence[dict[str, str]]
 
+# Conversation formats of targets whose tokenizer carries no chat template, by name (Jinja, as
+# Hugging Face chat templates are written). ``vicuna``: FastChat's ``vicuna_v1.1`` format, which
+# the EAGLE, Medusa and Spec-Bench evaluations use for Vicuna v1.3: the system sentence, then
+# "USER: ... ASSISTANT: ...</s>" turns, a generation prompt ending in "ASSISTANT:".
+CHAT_TEMPLATES = {
+    "vicuna": (
+        "{{ bos_token }}A chat between a curious user and an artificial intelligence assistant. "
+        "The assistant gives helpful, detailed, and polite answers to the user's questions."
+        "{% for m in messages %}{% if m['role'] == 'user' %}{% if loop.first %} {% endif %}"
+        "USER: {{ m['content'] }} {% else %}ASSISTANT: {{ m['content'] }}</s>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"),
+}
+
+
+def chat_template_text(spec: str) -> str:
+  """The Jinja text of a chat template named in :data:`CHAT_TEMPLATES` or stored in a file."""
+  if spec in CHAT_TEMPLATES:
+    return CHAT_TEMPLATES[spec]
+  if not os.path.isfile(spec):
+    raise EagleJaxError(f"chat template {spec!r}: not a built-in one ({', '.join(CHAT_TEMPLATES)}) "
+                        "nor a Jinja file")
+  with open(spec, encoding="utf-8") as f:
+    return f.read()
+
 
 class Tokenizer:
   """Thin wrapper over a Hugging Face fast tokenizer that applies the chat template."""
@@ -31,6 +55,11 @@ class Tokenizer:
     except Exception as e:  # corrupt tokenizer files
       raise EagleJaxError(f"{path}: cannot load tokenizer ({type(e).__name__}: {e})") from None
     return cls(hf, eos_token_ids)
+
+  def use_chat_template(self, spec: str) -> None:
+    """Formats chats with ``spec`` (a name in :data:`CHAT_TEMPLATES` or a Jinja file) instead
+    of the checkpoint's own template."""
+    self.hf.chat_template = chat_template_text(spec)
 
   @property
   def vocab_size(self) -> int:

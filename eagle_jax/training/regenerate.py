@@ -372,7 +372,9 @@ def read_regenerated(folder: str, manifest: dict) -> list[Conversation]:
     path = os.path.join(folder, name)
     try:
       with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+        # Lines end at "\n" only: a reply may hold U+2028 or other characters that
+        # str.splitlines() would also break at.
+        lines = [l for l in f.read().split("\n") if l]
     except OSError as e:
       raise EagleJaxError(f"{path}: cannot read shard ({e.strerror or e}); regenerate it with: "
                           f"{_make_it(folder)}") from None

@@ -18,7 +18,7 @@ from eagle_jax.decoding.tree import EAGLE_DEFAULT_CHOICES, TreeSpec
 from eagle_jax.drafters import interop
 from eagle_jax.drafters.eagle.drafter import EagleDrafter
 from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig, Frozen
-from eagle_jax.drafters.eagle.official import read_published, write_published
+from eagle_jax.drafters.eagle.official import describe_published, read_published, write_published
 from eagle_jax.drafters.eagle.train import EagleTask, reply_token_counts, top_tokens
 from eagle_jax.drafters.eagle.tune import tune_budget
 from eagle_jax.drafters.kinds import (
@@ -206,6 +206,30 @@ def build(target, options, context) -> tuple:
       total_tokens=options.total_tokens or tuned.get("total_tokens", 24))
 
 
+def check(path: str, target, options) -> str:
+  """The head at ``path`` checked against the target config ``target`` without its weights."""
+  name = _NAMES[type(options)]
+  fmt = interop.format_of(path)
+  if fmt in (interop.EAGLE, interop.EAGLE3):
+    version, text = describe_published(path, target)
+  elif fmt is not None:
+    raise EagleJaxError(f"{path}: holds a published {fmt} checkpoint; expected an EAGLE head")
+  else:
+    meta = read_meta(path)
+    if meta.get("drafter") not in (EAGLE1, EAGLE3):
+      raise EagleJaxError(f"{path}: holds a {meta.get('drafter')!r} drafter; expected one of: "
+                          f"{EAGLE1}, {EAGLE3}")
+    cfg = EagleHeadConfig.from_dict(meta["head"], f"{path}/drafter.json")
+    if cfg.target.hidden_size != target.hidden_size:
+      raise EagleJaxError(f"{path}: a head of hidden size {cfg.target.hidden_size} but the target "
+                          f"has {target.hidden_size} (a head for another target)")
+    version, text = cfg.version, f"EAGLE-{cfg.version} head trained for {meta.get('model')}"
+  if version != VERSION[name]:
+    raise EagleJaxError(f"{path}: holds an EAGLE-{version} head; --drafter {name} needs "
+                        f"EAGLE-{VERSION[name]}")
+  return text
+
+
 def _task(cfg, lm, train_shards, token_counts=None):
   """The trainer's task; ``token_counts`` (reply-token counts of ``train_shards``) cut EAGLE-3's
   draft vocabulary."""
@@ -281,8 +305,9 @@ def _trainable(published: str) -> Trainable:
 
 
 KIND_1 = DrafterKind(EAGLE1, "EAGLE-1 head, static 25-node tree (or a chain)", Eagle1Options,
-                     build, weights=EAGLE1, trainable=_trainable(interop.EAGLE))
+                     build, weights=EAGLE1, trainable=_trainable(interop.EAGLE), check=check)
 KIND_2 = DrafterKind(EAGLE2, "EAGLE-1 head, dynamic tree (EAGLE-2)", Eagle2Options, build,
-                     weights=EAGLE1)
+                     weights=EAGLE1, check=check)
 KIND_3 = DrafterKind(EAGLE3, "EAGLE-3 head over fused low/mid/high features, dynamic tree",
-                     Eagle3Options, build, weights=EAGLE3, trainable=_trainable(interop.EAGLE3))
+                     Eagle3Options, build, weights=EAGLE3, trainable=_trainable(interop.EAGLE3),
+                     check=check)

@@ -134,6 +134,28 @@ def _head_config(version: int, raw: dict, target: ModelConfig, source: str, tens
                          draft_vocab=0 if vocab == target.vocab_size else vocab)
 
 
+def describe_published(folder: str, target: ModelConfig) -> tuple[int, str]:
+  """``(version, description)`` of the head in a published EAGLE folder, checked against
+  ``target`` from its ``config.json`` (and a safetensors header's shapes) without reading any
+  weights: a head for another target is a one-line error."""
+  path = interop.weights_file(folder)
+  shapes = interop.tensor_shapes(path)
+  version = 3 if interop.format_of(folder) == interop.EAGLE3 else 1
+  cfg = _head_config(version, interop.read_config(folder), target, f"{folder}/config.json", shapes)
+  for name, shape in shapes.items():  # the header's shapes against the config's
+    want = _names(cfg).get(name)
+    if want is not None and tuple(shape) != tuple(want):
+      raise EagleJaxError(f"{path}: tensor {name!r} has shape {shape}, expected {list(want)}")
+  t = cfg.target
+  parts = [f"EAGLE-{version} head", f"{t.num_heads}/{t.num_kv_heads} heads", f"MLP {t.intermediate_size}"]
+  if version == 1:
+    parts.append("fc bias as the weights have it" if not shapes and "bias" not in
+                 interop.read_config(folder) else "fc with bias" if cfg.bias else "fc without bias")
+  else:
+    parts += [f"fused layers {list(cfg.fuse_layers)}", f"draft vocabulary {cfg.vocab}"]
+  return version, ", ".join(parts)
+
+
 def read_published(folder: str, target: ModelConfig) -> EagleHead:
   """The head in a published EAGLE-1/2 or EAGLE-3 folder, for a target of config ``target``."""
   fmt = interop.detect(folder)

@@ -105,6 +105,24 @@ def build(target, options: MedusaOptions, context) -> tuple:
   return MedusaDrafter.create(heads, tree, target)
 
 
+def check(path: str, target, options: MedusaOptions) -> str:
+  """The heads at ``path`` checked against the target config ``target`` without their weights."""
+  fmt = interop.format_of(path)
+  if fmt == interop.MEDUSA:
+    heads, text = official.describe_published(path, target.hidden_size, target.vocab_size)
+  elif fmt is not None:
+    raise EagleJaxError(f"{path}: holds a published {fmt} checkpoint; expected Medusa heads")
+  else:
+    meta = read_meta(path)
+    if meta.get("drafter") != NAME:
+      raise EagleJaxError(f"{path}: holds a {meta.get('drafter')!r} drafter; expected one of: {NAME}")
+    heads, text = None, f"Medusa-1 heads trained for {meta.get('model')}"
+  if heads is not None and options.gamma > heads:
+    raise EagleJaxError(f"--gamma {options.gamma}: a Medusa chain is at most {heads} deep (one "
+                        "node per head)")
+  return text
+
+
 def load_weights(path: str):
   """``(heads, meta)`` of the Medusa heads at ``path``: a trained run, its ``final/`` folder,
   or a published Medusa-1 folder."""
@@ -188,4 +206,5 @@ MEDUSA = DrafterKind(
     trainable=Trainable(section="medusa", config=MedusaTrainConfig, task=_task,
                         eval_drafter=_eval_drafter, save=_save, load=_load, tune=tune,
                         validate=_validate, published=interop.MEDUSA,
-                        write_published=_write_published))
+                        write_published=_write_published),
+    check=check)

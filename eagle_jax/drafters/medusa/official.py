@@ -54,6 +54,29 @@ def write_published(heads: MedusaHeads, folder: str, base_model: str | None = No
   return interop.write(folder, WEIGHTS, to_published(heads), config)
 
 
+def describe_published(folder: str, target_hidden: int, target_vocab: int) -> tuple[int | None, str]:
+  """``(heads, description)`` of a published Medusa folder, checked against the target's
+  hidden size and vocabulary from a safetensors header (no weights read), or from
+  ``config.json`` alone (its head count then only as stated: the weights decide)."""
+  path = interop.weights_file(folder)
+  shapes = interop.tensor_shapes(path)
+  raw = interop.read_config(folder)
+  if shapes:
+    outs = {int(k.split(".")[0]): s for k, s in shapes.items() if re.match(r"^\d+\.\d+\.weight$", k)}
+    if not outs:
+      raise EagleJaxError(f"{path}: no Medusa output layers ('{{i}}.{{L}}.weight') found")
+    heads, (vocab, hidden), stated = max(outs) + 1, outs[0], "from the weights"
+  else:
+    heads, stated = raw.get("medusa_num_heads"), "as config.json states; the weights decide"
+    hidden, vocab = raw.get("hidden_size", target_hidden), raw.get("vocab_size", target_vocab)
+  for what, got, want in (("hidden size", hidden, target_hidden), ("vocabulary", vocab, target_vocab)):
+    if got != want:
+      raise EagleJaxError(f"{path or folder}: Medusa heads of {what} {got} but the target has "
+                          f"{want} (heads for another target)")
+  return (heads if shapes else None), (f"Medusa-1, {heads} heads ({stated}), "
+                                       f"{raw.get('medusa_num_layers', 1)} residual block(s)")
+
+
 def read_published(folder: str) -> MedusaHeads:
   """The heads in a published Medusa folder; their count and depth come from the weights."""
   path = interop.weights_file(folder)
