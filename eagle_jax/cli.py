@@ -16,7 +16,7 @@ from eagle_jax.drafters.draft_model.train import (
   predicted_speedup,
   time_draft_sizes,
 )
-from eagle_jax.drafters.kinds import Context, flag_of
+from eagle_jax.drafters.kinds import BUDGETS, Context, flag_of
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation.bench_decode import bench_decode
 from eagle_jax.evaluation.bench_regenerate import bench_regenerate
@@ -58,7 +58,8 @@ def _cmd_generate(args) -> None:
   if not args.message.strip():
     raise EagleJaxError("empty prompt: give a non-empty user message")
   # before loading anything
-  options = registry.make_options(args.drafter, _set_options(args), _context_set(args))
+  options = registry.make_options(args.drafter, _set_options(args), _context_set(args),
+                                  args.budget)
   lm = load_model(args.model, args.dtype)
   prompt = lm.tokenizer.chat_prompt(args.message)
   drafter, dparams = registry.build(args.drafter, lm.model, options, _context(args, args.model))
@@ -102,7 +103,7 @@ def _cmd_bench_spec(args) -> None:
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       options=_set_options(args), checkpoint=args.drafter_ckpt,
                       runs_dir=args.runs_dir or "runs", with_hf=not args.no_hf,
-                      repeats=args.repeats)
+                      repeats=args.repeats, budget=args.budget)
   print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -185,6 +186,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                  "registered name, HF folder or .gguf sharing the tokenizer (default: the trained "
                  "run with most tokens in --runs-dir)")
   p.add_argument("--runs-dir", default=None, help="where trained drafters are found (default: runs)")
+  p.add_argument("--budget", choices=BUDGETS, default="tuned",
+                 help="tuned: the options' defaults (the budget tuned for this machine); paper: "
+                 "each method's published setting (docs/methods.md), options given still win")
 
 
 def _set_options(args) -> dict:

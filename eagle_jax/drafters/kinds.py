@@ -11,14 +11,23 @@ derived from it.
 
 Option fields are declared with :func:`option`: the help text and, where it differs from
 ``--field-name``, the command-line flag. The same field name in two kinds is the same flag.
+
+Two budgets (:data:`BUDGETS`): ``tuned``, the options' own defaults (the budget tuned for this
+machine where a kind has a tuner), and ``paper``, the published setting a kind declares in
+``paper`` (options set explicitly win over it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from eagle_jax.errors import EagleJaxError
+
+
+BUDGETS = ("tuned", "paper")
+# the options that give a draft's shape (a paper setting's are dropped together)
+_SHAPED = ("gamma", "tree", "top_k", "depth", "total_tokens", "pld_widths")
 
 
 def option(default, help: str, flag: str | None = None, choices: tuple | None = None):
@@ -85,15 +94,34 @@ class DrafterKind:
   # checkpoint against the target from config files only (no weights read); None: the
   # checkpoint folder is only required to exist
   check: Callable[[str, Any, Any], str] | None = None
+  # ``--budget paper``: the option values of the method's published setting and where they are
+  # given (docs/methods.md lists them); a kind without one runs the same under both budgets
+  paper: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  paper_source: str = ""
+  # options that, set explicitly, replace the paper's whole draft shape (a chain length, a
+  # static tree)
+  shape: tuple[str, ...] = ("gamma", "tree")
 
-  def make_options(self, values: dict) -> Any:
-    """This kind's options from ``{field: value}``; a field it does not read is an error."""
+  def make_options(self, values: dict, budget: str = "tuned") -> Any:
+    """This kind's options from ``{field: value}`` under ``budget`` (:data:`BUDGETS`); a field
+    it does not read is an error."""
     fields = {f.name: f for f in dataclasses.fields(self.options)}
     if unused := [k for k in values if k not in fields]:
       reads = ", ".join(flag_of(f) for f in fields.values()) or "no options"
       raise EagleJaxError(f"{', '.join(flag_for(k) for k in unused)}: not used by --drafter "
                           f"{self.name} (it reads: {reads})")
-    return self.options(**values)
+    return self.options(**self.budget_values(values, budget))
+
+  def budget_values(self, values: dict, budget: str) -> dict:
+    """``values`` completed by the ``budget``'s settings: explicit values win, and an explicit
+    shape (``shape``) replaces the paper's whole shape."""
+    if budget not in BUDGETS:
+      raise EagleJaxError(f"--budget: expected one of {', '.join(BUDGETS)}, got {budget!r}")
+    if budget == "tuned":
+      return dict(values)
+    own_shape = any(k in self.shape for k in values)
+    return {**{k: v for k, v in self.paper.items() if not (own_shape and k in _SHAPED)},
+            **values}
 
 
 _FLAGS: dict[str, str] = {}  # field name -> flag, filled by the registry

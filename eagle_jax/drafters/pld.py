@@ -236,7 +236,13 @@ def build_pld(target, options: PldStaticOptions, context=None) -> tuple:
                              costs=costs), None
 
 
+# the reference implementation (apoorvumang/prompt-lookup-decoding): n-grams of 3 down to 1,
+# 10 drafted tokens per match
+_PAPER = {"gamma": 10, "pld_min_ngram": 1, "pld_max_ngram": 3}
+_PAPER_SOURCE = ("prompt lookup decoding's reference code (apoorvumang/prompt-lookup-decoding): "
+                 "max_ngram_size 3, num_pred_tokens 10")
 PLD = DrafterKind("pld", "prompt lookup, draft width chosen by measured verify cost",
-                  PldOptions, build_pld)
+                  PldOptions, build_pld, paper={**_PAPER, "pld_widths": (10,)},
+                  paper_source=_PAPER_SOURCE)
 PLD_STATIC = DrafterKind("pld-static", "prompt lookup, every match drafted at full gamma",
-                         PldStaticOptions, build_pld)
+                         PldStaticOptions, build_pld, paper=_PAPER, paper_source=_PAPER_SOURCE)

@@ -83,9 +83,11 @@ def readers(field: str) -> list[str]:
   return [n for n, k in KINDS.items() if field in {f.name for f in dataclasses.fields(k.options)}]
 
 
-def make_options(name: str, values: dict, context_set=()):
-  """Kind ``name``'s options from the options that were set (``values``); ``context_set``: which
-  of :data:`CONTEXT_FLAGS` were set. Anything the kind would ignore is a one-line error."""
+def make_options(name: str, values: dict, context_set=(), budget: str = "tuned"):
+  """Kind ``name``'s options from the options that were set (``values``) under ``budget``
+  (``tuned`` or ``paper``: the kind's published setting, explicit values winning);
+  ``context_set``: which of :data:`CONTEXT_FLAGS` were set. Anything the kind would ignore is a
+  one-line error."""
   kind = get(name)
   fields = [f.name for f in dataclasses.fields(kind.options)]
   unused = [CONTEXT_FLAGS[c] for c in CONTEXT_FLAGS if c in context_set and kind.weights is None]
@@ -97,7 +99,7 @@ def make_options(name: str, values: dict, context_set=()):
                         f"{', '.join(reads) or 'no options'})")
   if {"checkpoint", "runs_dir"} <= set(context_set):
     raise EagleJaxError("--runs-dir: not used with --drafter-ckpt (the checkpoint is given)")
-  return kind.options(**values)
+  return kind.options(**kind.budget_values(values, budget))
 
 
 def build(name: str, target, options=None, context: Context = Context()) -> tuple:

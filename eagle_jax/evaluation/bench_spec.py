@@ -51,10 +51,12 @@ def _hf_prompt_lookup(folder, prompts, max_new_tokens):
   return out
 
 
-def methods_for(specs, options: dict, checkpoint: str | None) -> dict[str, MethodConfig]:
+def methods_for(specs, options: dict, checkpoint: str | None,
+                budget: str = "tuned") -> dict[str, MethodConfig]:
   """Experiment methods from ``--methods`` specs (``eagle2:draft_vocab=8192:top_k=4``): the
   common flags (``options``, ``checkpoint``) apply to every method whose kind reads them, a
-  spec's own settings override them. A common flag no method reads is an error."""
+  spec's own settings override them; ``budget`` (``tuned`` or ``paper``) applies to all. A
+  common flag no method reads is an error."""
   unread = set(options) - {k for s in specs for k in _reads(registry.method_spec(s)[0])}
   if unread:
     raise EagleJaxError(f"{', '.join(sorted(flag_for(k) for k in unread))}: not used "
@@ -66,7 +68,8 @@ def methods_for(specs, options: dict, checkpoint: str | None) -> dict[str, Metho
     merged = {k: v for k, v in options.items() if k in reads} | values
     ckpt = merged.pop("checkpoint", None) or (checkpoint if registry.get(kind).weights else None)
     name = re.sub(r"[^A-Za-z0-9_.+=:-]", "-", spec)
-    out[spec] = MethodConfig(name=name, drafter=kind, checkpoint=ckpt or "", **merged)
+    out[spec] = MethodConfig(name=name, drafter=kind, checkpoint=ckpt or "", budget=budget,
+                             **merged)
     out[spec].options()  # a bad combination fails before anything runs
   if registry.VANILLA.name not in [m.kind for m in out.values()]:
     raise EagleJaxError("--methods must include vanilla (the speedup and greedy-match baseline)")
@@ -80,9 +83,9 @@ def _reads(kind: str) -> set[str]:
 def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"), num_prompts: int = 16,
                max_new_tokens: int = 128, temperature: float = 0.0, options: dict | None = None,
                checkpoint: str | None = None, runs_dir: str = "runs", with_hf: bool = True,
-               repeats: int = 2, progress: bool = False) -> dict:
+               repeats: int = 2, progress: bool = False, budget: str = "tuned") -> dict:
   specs = list(dict.fromkeys(methods))
-  by_spec = methods_for(specs, options or {}, checkpoint)
+  by_spec = methods_for(specs, options or {}, checkpoint, budget)
   ev = EvalConfig(prompts="mtbench", num_questions=num_prompts, turns=(1,),
                   temperatures=(temperature,), batch_size=1, max_new_tokens=max_new_tokens,
                   stop_at_eos=False, repeats=max(repeats, 1), interleave=True)
@@ -134,7 +137,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
       "interleaved prompt by prompt (eagle_jax.evaluation.runner, eval.repeats and eval.interleave)",
       "prompts": f"MT-bench first turns, {num_prompts} questions, {-(-num_prompts // 8)} per category",
       "max_new_tokens": max_new_tokens, "temperature": temperature, "batch": 1,
-      "eos": "ignored (fixed length)", "options": dict(options or {}),
+      "eos": "ignored (fixed length)", "options": dict(options or {}), "budget": budget,
       "tau": summary["settings"]["tau"],
       "speedup": "our vanilla seconds / method seconds, same prompts, same run",
       "predicted_speedup": "eagle_jax.decoding.costs.predict_speedup: tokens per step (chains: the "

@@ -71,7 +71,8 @@ def dry_run(path: str, overrides=()) -> dict:
   facts["chat_template"] = _chat_template(cfg, facts["folder"])
   methods = {}
   for m in cfg.methods:
-    entry = {"drafter": m.kind, "options": m.option_values()}
+    entry = {"drafter": m.kind, "budget": m.budget,
+             "options": registry.get(m.kind).budget_values(m.option_values(), m.budget)}
     if m.kind in registry.TRAINED:
       if m.checkpoint:
         try:
@@ -106,7 +107,7 @@ def render_plan(plan: dict) -> str:
            f"{p['temperatures']}, {p['max_new_tokens']} new tokens, batch {p['batch_size']}"]
   for name, m in plan["methods"].items():
     opts = ", ".join(f"{k}={v}" for k, v in m["options"].items())
-    line = f"method   {name}: {m['drafter']}" + (f" ({opts})" if opts else "")
+    line = f"method   {name}: {m['drafter']}, {m['budget']} budget" + (f" ({opts})" if opts else "")
     if "checkpoint" in m:
       line += f"; {m['checkpoint']}" + (f": {m['head']}" if "head" in m else "")
     for temp, fig in m.get("published", {}).items():

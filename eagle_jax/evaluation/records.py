@@ -48,6 +48,7 @@ def prompts_key(questions) -> dict:
 
 
 _TIMING = {"repeats": 1, "interleave": False}  # their defaults
+_METHOD = {"budget": "tuned"}  # method fields newer than some records, at their defaults
 
 
 def unit(out, cfg, method, temperature, checkpoint, prompts_key, stem=None):
@@ -56,7 +57,10 @@ def unit(out, cfg, method, temperature, checkpoint, prompts_key, stem=None):
   # the timing settings join the key only when set (records made before they existed stay valid)
   ev = {k: v for k, v in to_dict(cfg.eval).items()
         if k != "temperatures" and not (k in _TIMING and v == _TIMING[k])}
-  key = {"model": cfg.model, "method": to_dict(method), "checkpoint": checkpoint_key(checkpoint),
+  # the published figures do not change what is measured; newer fields join when set
+  meth = {k: v for k, v in to_dict(method).items()
+          if k != "published" and not (k in _METHOD and v == _METHOD[k])}
+  key = {"model": cfg.model, "method": meth, "checkpoint": checkpoint_key(checkpoint),
          "temperature": temperature, "eval": ev, "prompts": prompts_key,
          "machine": machine()}
   if stem:  # not a method's records (notebooks read records/<method>-T<temperature>.jsonl)

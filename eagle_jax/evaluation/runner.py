@@ -62,7 +62,7 @@ class _Method:
 
   def options(self):
     return registry.make_options(self.kind, self.option_values(),
-                                 ("checkpoint",) if self.checkpoint else ())
+                                 ("checkpoint",) if self.checkpoint else (), self.budget)
 
   def validate(self):
     if not re.fullmatch(r"[A-Za-z0-9_.+=:-]+", self.name):  # it names the method's record files
@@ -99,11 +99,13 @@ class Published:
 
 # One method of an experiment: a row label, its drafter kind (default: the name), where its
 # weights come from (a checkpoint, or a training config run when the checkpoint is missing) and
-# any option of the drafter registry (unset = the kind's default).
+# any option of the drafter registry (unset = the kind's default, or its published setting with
+# budget: paper).
 MethodConfig = dataclasses.make_dataclass(
     "MethodConfig",
     [("name", str), ("drafter", str, ""), ("checkpoint", str, ""), ("train", str, ""),
-     ("train_overrides", tuple[str, ...], ()), ("published", tuple[Published, ...], ())]
+     ("train_overrides", tuple[str, ...], ()), ("published", tuple[Published, ...], ()),
+     ("budget", str, "tuned")]
     + [(name, tp | None, None) for name, tp in registry.option_types().items()],
     bases=(_Method,), frozen=True, namespace={"__module__": __name__})
 

@@ -93,7 +93,8 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict 
           "per_category": {c: _cell([r for r in recs if r["category"] == c],
                                     [r for r in vrecs if r["category"] == c]) for c in cats}})
       per_t[f"T{temp}"] = entry
-    methods[m.name] = {"drafter": m.kind, "checkpoint": checkpoints.get(m.name), **per_t}
+    methods[m.name] = {"drafter": m.kind, "checkpoint": checkpoints.get(m.name),
+                       "budget": m.budget, **per_t}
     if m.published:
       methods[m.name]["published"] = {f"T{p.temperature}": {"speedup": p.speedup, "tau": p.tau,
                                                             "source": p.source}

@@ -82,4 +82,6 @@ DRAFT_MODEL = DrafterKind(
     "draft-model", "a small Llama distilled from the target (or any model sharing its tokenizer)",
     DraftModelOptions, build_draft_model, weights="draft-model",
     trainable=Trainable(section="draft_model", config=DraftModelConfig, task=_task,
-                        eval_drafter=_eval_drafter, save=_save, load=_load))
+                        eval_drafter=_eval_drafter, save=_save, load=_load),
+    paper={"gamma": 4, "head_bits": 0},
+    paper_source="speculative sampling (Chen et al., arXiv 2302.01318): K = 4 drafted tokens")

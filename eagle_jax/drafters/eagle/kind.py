@@ -304,10 +304,21 @@ def _trainable(published: str) -> Trainable:
                    published=published, write_published=_write_published)
 
 
+# the published settings (--budget paper): whole vocabulary and float weights, as published
+_FLOAT = {"head_bits": 0}
 KIND_1 = DrafterKind(EAGLE1, "EAGLE-1 head, static 25-node tree (or a chain)", Eagle1Options,
-                     build, weights=EAGLE1, trainable=_trainable(interop.EAGLE), check=check)
+                     build, weights=EAGLE1, trainable=_trainable(interop.EAGLE), check=check,
+                     paper={"tree": "default", "draft_vocab": 0, **_FLOAT},
+                     paper_source="EAGLE (arXiv 2401.15077): the 25-node static tree of its "
+                     "reference code")
 KIND_2 = DrafterKind(EAGLE2, "EAGLE-1 head, dynamic tree (EAGLE-2)", Eagle2Options, build,
-                     weights=EAGLE1, check=check)
+                     weights=EAGLE1, check=check,
+                     paper={"total_tokens": 60, "depth": 6, "top_k": 10, "draft_vocab": 0,
+                            **_FLOAT},
+                     paper_source="EAGLE-2 (arXiv 2406.16858), Section 5: 60 nodes, depth 6, "
+                     "top-k 10")
 KIND_3 = DrafterKind(EAGLE3, "EAGLE-3 head over fused low/mid/high features, dynamic tree",
                      Eagle3Options, build, weights=EAGLE3, trainable=_trainable(interop.EAGLE3),
-                     check=check)
+                     check=check, paper={"total_tokens": 60, "depth": 7, "top_k": 10, **_FLOAT},
+                     paper_source="EAGLE-3 reference code (SafeAILab/EAGLE): total_token 60, "
+                     "depth 7, top_k 10")

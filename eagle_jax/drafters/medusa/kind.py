@@ -207,4 +207,7 @@ MEDUSA = DrafterKind(
                         eval_drafter=_eval_drafter, save=_save, load=_load, tune=tune,
                         validate=_validate, published=interop.MEDUSA,
                         write_published=_write_published),
+    paper={"tree": "default", "head_bits": 0},
+    paper_source="Medusa-1 (arXiv 2401.10774): the 63-node tree its code ships for Vicuna-7B",
+    shape=("gamma", "tree", "total_tokens"),  # total_tokens: the size of a static tree
     check=check)
