@@ -225,11 +225,12 @@ def test_a_prompt_file_is_used_whole_unless_cut_and_a_cut_is_announced(tmp_path,
   prompts = tmp_path / "mine.jsonl"
   prompts.write_text("".join(f'{{"prompt": "Say {i}.", "category": "c{i % 3}"}}\n' for i in range(120)))
   assert len(questions_for(EvalConfig(prompts=str(prompts)))) == 120  # default: all
-  assert "[eval]" not in capsys.readouterr().out
+  assert "[eval]" not in capsys.readouterr().err
   assert len(questions_for(EvalConfig(prompts=str(prompts), num_questions=80))) == 80
-  assert "[eval] 80 of the 120 prompts in" in capsys.readouterr().out
+  cut = capsys.readouterr()  # on stderr: stdout of bench spec --json stays one JSON line
+  assert "[eval] 80 of the 120 prompts in" in cut.err and not cut.out
   assert len(questions_for(EvalConfig(prompts=str(prompts), categories=("c1",)))) == 40
-  assert "[eval]" not in capsys.readouterr().out
+  assert "[eval]" not in capsys.readouterr().err
 
 
 def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):

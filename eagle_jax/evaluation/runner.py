@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import uuid
 
 from tqdm import tqdm
@@ -211,7 +212,7 @@ def questions_for(ev: EvalConfig):
   pool = sum(not ev.categories or q.category in ev.categories for q in qs)
   if len(picked) < pool:
     print(f"[eval] {len(picked)} of the {pool} prompts in {ev.prompts} "
-          f"(eval.num_questions={ev.num_questions}; 0 = all)", flush=True)
+          f"(eval.num_questions={ev.num_questions}; 0 = all)", file=sys.stderr, flush=True)
   return picked
 
 
