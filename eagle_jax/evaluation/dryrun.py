@@ -62,7 +62,7 @@ def _chat_template(cfg: ExperimentConfig, folder: str) -> str:
 def dry_run(path: str, overrides=()) -> dict:
   """The plan of the experiment ``path`` names, checked from config files only."""
   cfg = load_experiment(path, overrides)
-  questions = questions_for(cfg.eval)
+  questions = questions_for(cfg.eval, announce=False)  # the plan gives the count
   target, facts = _target(cfg)
   ev = cfg.eval
   if ev.max_new_tokens >= target.max_position_embeddings:

@@ -206,11 +206,12 @@ def drafter_for(method: MethodConfig, target, cfg: ExperimentConfig, checkpoint:
   return registry.build(method.kind, target, method.options(), context)
 
 
-def questions_for(ev: EvalConfig):
+def questions_for(ev: EvalConfig, announce: bool = True):
+  """The evaluation's questions; ``announce``: say on stderr when they are a cut of the pool."""
   qs = load_mtbench() if ev.prompts == "mtbench" else load_jsonl_prompts(ev.prompts)
   picked = pick_questions(qs, ev.num_questions, ev.categories)
   pool = sum(not ev.categories or q.category in ev.categories for q in qs)
-  if len(picked) < pool:
+  if announce and len(picked) < pool:
     print(f"[eval] {len(picked)} of the {pool} prompts in {ev.prompts} "
           f"(eval.num_questions={ev.num_questions}; 0 = all)", file=sys.stderr, flush=True)
   return picked
