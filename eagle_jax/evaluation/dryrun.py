@@ -85,8 +85,7 @@ def dry_run(path: str, overrides=()) -> dict:
       else:
         entry["checkpoint"] = registry.find_checkpoint(m.kind, cfg.runs_dir, cfg.model)
     if m.published:
-      entry["published"] = {f"T{p.temperature}": {"speedup": p.speedup, "tau": p.tau,
-                                                  "source": p.source} for p in m.published}
+      entry["published"] = m.published_figures()
     methods[m.name] = entry
   return {"config": path, "target": facts, "methods": methods,
           "prompts": {"source": ev.prompts, "questions": len(questions), "turns": list(ev.turns),

@@ -57,6 +57,11 @@ class _Method:
   def kind(self) -> str:
     return self.drafter or self.name
 
+  def published_figures(self) -> dict:
+    """The published figures by temperature key (``"T0.0"``), as summaries and plans hold them."""
+    return {f"T{p.temperature}": {"speedup": p.speedup, "tau": p.tau, "source": p.source}
+            for p in self.published}
+
   def option_values(self) -> dict:
     """The drafter options this method sets (None = the kind's default)."""
     return {k: getattr(self, k) for k in registry.option_fields() if getattr(self, k) is not None}

@@ -96,9 +96,7 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict 
     methods[m.name] = {"drafter": m.kind, "checkpoint": checkpoints.get(m.name),
                        "budget": m.budget, **per_t}
     if m.published:
-      methods[m.name]["published"] = {f"T{p.temperature}": {"speedup": p.speedup, "tau": p.tau,
-                                                            "source": p.source}
-                                      for p in m.published}
+      methods[m.name]["published"] = m.published_figures()
   ev = cfg.eval
   return {"name": cfg.name, "model": cfg.model, "methods": methods,
           "settings": {**to_dict(ev), "temperatures": list(ev.temperatures), "tau": TAU,

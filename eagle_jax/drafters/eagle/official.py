@@ -141,7 +141,8 @@ def describe_published(folder: str, target: ModelConfig) -> tuple[int, str]:
   path = interop.weights_file(folder)
   shapes = interop.tensor_shapes(path)
   version = 3 if interop.format_of(folder) == interop.EAGLE3 else 1
-  cfg = _head_config(version, interop.read_config(folder), target, f"{folder}/config.json", shapes)
+  raw = interop.read_config(folder)
+  cfg = _head_config(version, raw, target, f"{folder}/config.json", shapes)
   for name, shape in shapes.items():  # the header's shapes against the config's
     want = _names(cfg).get(name)
     if want is not None and tuple(shape) != tuple(want):
@@ -149,8 +150,8 @@ def describe_published(folder: str, target: ModelConfig) -> tuple[int, str]:
   t = cfg.target
   parts = [f"EAGLE-{version} head", f"{t.num_heads}/{t.num_kv_heads} heads", f"MLP {t.intermediate_size}"]
   if version == 1:
-    parts.append("fc bias as the weights have it" if not shapes and "bias" not in
-                 interop.read_config(folder) else "fc with bias" if cfg.bias else "fc without bias")
+    parts.append("fc bias as the weights have it" if not shapes and "bias" not in raw
+                 else "fc with bias" if cfg.bias else "fc without bias")
   else:
     parts += [f"fused layers {list(cfg.fuse_layers)}", f"draft vocabulary {cfg.vocab}"]
   return version, ", ".join(parts)
