@@ -10,7 +10,7 @@ import sys
 from eagle_jax.decoding.generate import generate
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.speculative import speculative_generate
-from eagle_jax.drafters import interop, registry
+from eagle_jax.drafters import interop, registry, shipped
 from eagle_jax.drafters.draft_model.train import (
   DraftModelConfig,
   predicted_speedup,
@@ -162,6 +162,11 @@ def _cmd_export(args) -> None:
   out = registry.export_published(args.run, args.format, args.out)
   print(json.dumps({"exported": out, "format": args.format,
                     "files": sorted(os.listdir(out))}))
+
+
+def _cmd_ship(args) -> None:
+  entry = shipped.ship(args.run, dtype=args.dtype, force=args.force)
+  print(json.dumps({"key": f"{entry['model']}/{entry['drafter']}", **entry}))
 
 
 def _cmd_convert(args) -> None:
@@ -324,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
   ex.add_argument("out", help="output folder")
   ex.add_argument("--format", required=True, choices=interop.FORMATS)
   ex.set_defaults(func=_cmd_export)
+
+  sh = sub.add_parser("ship", help="add a trained drafter to the package's shipped drafters "
+                      "(its tensors in bfloat16), replacing one only by a better held-out tau")
+  sh.add_argument("run", help="trained run folder or its final/")
+  sh.add_argument("--dtype", default="bfloat16", choices=tuple(shipped.DTYPES))
+  sh.add_argument("--force", action="store_true",
+                  help="replace the shipped drafter even if this one's held-out tau is not higher")
+  sh.set_defaults(func=_cmd_ship)
 
   cv = sub.add_parser("convert", help="rewrite a published folder's pickled PyTorch weights as "
                       "safetensors (read once with PyTorch's weights-only loader)")

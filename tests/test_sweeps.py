@@ -75,7 +75,8 @@ def test_batch_pld(sweeps, capsys, tmp_path):
   assert all(r["speedup"] == 1.0 and r["tau"] is None for r in rows[:2])
 
 
-def test_alignment_needs_trained_drafters(sweeps, capsys, tmp_path):
+def test_alignment_needs_trained_drafters(sweeps, capsys, tmp_path, monkeypatch):
+  monkeypatch.setenv("EAGLE_JAX_PRETRAINED", "")  # no shipped drafter to fall back on
   (tmp_path / "runs").mkdir()
   argv = ["alignment", "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "results")]
   assert sweeps.main(argv + TINY) == 2

@@ -133,7 +133,7 @@ def test_rerun_reuses_finished_run_and_features(trained, capsys):
   assert "heldout_loss" in summary  # a finished run re-run still reports its evaluation
 
 
-def test_train_errors_are_one_line(trained, tmp_path, capsys):
+def test_train_errors_are_one_line(trained, tmp_path, capsys, monkeypatch):
   runs, configs = trained
   bad = tmp_path / "bad.yaml"
   bad.write_text("name: x\ndrafter: eagle1\noptim: {lrr: 1}\n")
@@ -147,8 +147,10 @@ def test_train_errors_are_one_line(trained, tmp_path, capsys):
   assert "max_len" in capsys.readouterr().err
   assert main(["generate", "--drafter", "eagle3", "--drafter-ckpt", str(runs / "tiny-eagle1"), "hi"]) == 2
   assert "EAGLE-1 head" in capsys.readouterr().err
+  monkeypatch.setenv("EAGLE_JAX_PRETRAINED", "")  # no shipped drafter to fall back on
   assert main(["generate", "--drafter", "eagle1", "--runs-dir", str(tmp_path), "hi"]) == 2
   assert "no trained eagle1 drafter" in capsys.readouterr().err
+  monkeypatch.delenv("EAGLE_JAX_PRETRAINED")
   assert main(["generate", "--drafter", "medusa", "--drafter-ckpt", str(runs / "tiny-eagle1"), "hi"]) == 2
   assert "holds a 'eagle1' drafter" in capsys.readouterr().err
   assert main(["generate", "--drafter", "eagle3", "--draft-vocab", "4096", "--runs-dir", str(runs), "hi"]) == 2

@@ -44,7 +44,8 @@ def flag_of(field: dataclasses.Field) -> str:
 class Context:
   """Where a drafter's weights come from: ``checkpoint`` (a trained run folder, its ``final/``,
   or for a draft model any model name, folder or ``.gguf``) or, when it is None, the trained
-  run in ``runs_dir`` with the most training tokens for ``model`` (the target's name)."""
+  run in ``runs_dir`` with the most training tokens for ``model`` (the target's name), else the
+  drafter shipped for ``model`` (:mod:`eagle_jax.drafters.shipped`)."""
 
   model: str | None = None
   checkpoint: str | None = None

@@ -10,7 +10,9 @@ Every exported drafter has ``drafter.json``: ``{"drafter": KIND, "model": TARGET
 - a draft model: a complete Hugging Face folder (``config.json``, ``model.safetensors``,
   tokenizer files), loadable by any Llama-family loader, ours included.
 
-``--drafter-ckpt`` accepts the ``final/`` folder or its run folder.
+``--drafter-ckpt`` accepts the ``final/`` folder or its run folder. Without it a kind drafts with
+the run in ``--runs-dir`` with the most training tokens, else with the drafter shipped for the
+target (:mod:`eagle_jax.drafters.shipped`: the same layout, weights stored in bfloat16).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import os
 import jax
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.model.checkpoints import read_safetensors
 
 
 def final_folder(path: str) -> str:
@@ -81,21 +84,26 @@ def save_params(module, folder: str) -> None:
 
 
 def load_params(module, folder: str):
-  """Fills ``module`` (e.g. built with ``nnx.eval_shape``) from ``folder/params.safetensors``."""
-  tensors = load_file(os.path.join(folder, "params.safetensors"))
+  """Fills ``module`` (e.g. built with ``nnx.eval_shape``) from ``folder/params.safetensors``,
+  each tensor converted to its parameter's dtype (shipped heads store bfloat16)."""
+  path = os.path.join(folder, "params.safetensors")
+  tensors = read_safetensors(folder, [path])
   state = nnx.state(module)
   for p, v in nnx.to_flat_state(state):
     key = ".".join(str(x) for x in p)
     if key not in tensors:
-      raise EagleJaxError(f"{folder}/params.safetensors: missing tensor {key!r}")
-    v.set_value(jax.numpy.asarray(tensors[key]))
+      raise EagleJaxError(f"{path}: missing tensor {key!r}")
+    v.set_value(jax.numpy.asarray(tensors[key].astype(v.value.dtype)))
   nnx.update(module, state)
   return module
 
 
 def find_checkpoint(kind: str, runs_dir: str, model: str | None = None) -> str:
   """The ``final/`` folder of the trained run in ``runs_dir`` holding a ``kind`` drafter with
-  the most training tokens (for the target ``model`` if given)."""
+  the most training tokens (for the target ``model`` if given); if there is none, the drafter
+  shipped for ``model`` (:mod:`eagle_jax.drafters.shipped`)."""
+  from eagle_jax.drafters import shipped  # it reads exports with this module's helpers
+
   best = None
   if os.path.isdir(runs_dir):
     for run in sorted(os.listdir(runs_dir)):
@@ -108,8 +116,11 @@ def find_checkpoint(kind: str, runs_dir: str, model: str | None = None) -> str:
       key = (meta.get("train_tokens", 0), os.path.getmtime(meta_path))
       if best is None or key > best[0]:
         best = (key, os.path.join(runs_dir, run, "final"))
+  if best is None and (pretrained := shipped.find(kind, model)):
+    return pretrained
   if best is None:
     raise EagleJaxError(f"no trained {kind} drafter{'' if not model else ' for ' + model} in "
                         f"{runs_dir}/ (train one with: eagle-jax train configs/train/{kind}-quick.yaml"
-                        f"{'' if not model else ' model=' + model}) and no checkpoint given")
+                        f"{'' if not model else ' model=' + model}), none shipped and no "
+                        "checkpoint given")
   return best[1]

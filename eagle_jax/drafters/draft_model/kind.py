@@ -51,7 +51,7 @@ def build_draft_model(target, options: DraftModelOptions, context) -> tuple:
   path = context.checkpoint or find_checkpoint("draft-model", context.runs_dir, context.model)
   if os.path.isfile(os.path.join(path, "final", "drafter.json")):  # a training run's folder
     path = os.path.join(path, "final")
-  draft = load_model(path).model
+  draft = load_model(path, target.embed.value.dtype).model  # in the target's dtype
   if head_bits(options.head_bits, {}) == 8:  # its float32 weights (a GGUF's integer blocks stay)
     quantize_linears(draft)
   return DraftModelDrafter.create(draft, gamma=options.gamma or 4,
