@@ -14,7 +14,8 @@ from flax import nnx
 
 from eagle_jax.cli import main
 from eagle_jax.drafters import shipped
-from eagle_jax.drafters.storage import find_checkpoint, load_params, save_params, write_meta
+from eagle_jax.drafters.shipped import find_checkpoint
+from eagle_jax.drafters.storage import load_params, save_params, write_meta
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.checkpoints import read_safetensors
 

@@ -18,7 +18,7 @@ import dataclasses
 import os
 import typing
 
-from eagle_jax.drafters import interop, pld, storage
+from eagle_jax.drafters import interop, pld, shipped, storage
 from eagle_jax.drafters.draft_model import kind as draft_model
 from eagle_jax.drafters.eagle import kind as eagle
 from eagle_jax.drafters.kinds import Context, DrafterKind, flag_for, flag_of, register_flags
@@ -128,9 +128,9 @@ def checkpoint_of(name: str, context: Context) -> str | None:
 
 
 def find_checkpoint(name: str, runs_dir: str, model: str | None = None) -> str:
-  """The trained run in ``runs_dir`` whose weights kind ``name`` drafts with, with the most
-  training tokens (for target ``model`` if given)."""
-  return storage.find_checkpoint(get(name).weights or name, runs_dir, model)
+  """The weights kind ``name`` drafts with: the trained run in ``runs_dir`` with the most
+  training tokens (for target ``model`` if given), else the shipped drafter."""
+  return shipped.find_checkpoint(get(name).weights or name, runs_dir, model)
 
 
 def method_spec(spec: str) -> tuple[str, dict]:

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 import yaml
 
-from eagle_jax.drafters.storage import final_folder, read_meta, write_meta
+from eagle_jax.drafters.storage import final_folder, find_trained, read_meta, write_meta
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.checkpoints import read_safetensors, write_safetensors
 from eagle_jax.model.registry import REGISTRY
@@ -51,6 +51,19 @@ def find(kind: str, model: str | None) -> str | None:
     return None
   folder = os.path.join(root(), model, kind)
   return folder if os.path.isfile(os.path.join(folder, "drafter.json")) else None
+
+
+def find_checkpoint(kind: str, runs_dir: str, model: str | None = None) -> str:
+  """Where a ``kind`` drafter's weights are looked up when no checkpoint is given: the trained
+  run in ``runs_dir`` with the most training tokens (for target ``model`` if given), else the
+  drafter shipped for ``model``."""
+  found = find_trained(kind, runs_dir, model) or find(kind, model)
+  if found is None:
+    raise EagleJaxError(f"no trained {kind} drafter{'' if not model else ' for ' + model} in "
+                        f"{runs_dir}/ (train one with: eagle-jax train configs/train/{kind}-quick.yaml"
+                        f"{'' if not model else ' model=' + model}), none shipped and no "
+                        "checkpoint given")
+  return found
 
 
 def manifest(folder: str | None = None) -> dict:

@@ -98,12 +98,9 @@ def load_params(module, folder: str):
   return module
 
 
-def find_checkpoint(kind: str, runs_dir: str, model: str | None = None) -> str:
+def find_trained(kind: str, runs_dir: str, model: str | None = None) -> str | None:
   """The ``final/`` folder of the trained run in ``runs_dir`` holding a ``kind`` drafter with
-  the most training tokens (for the target ``model`` if given); if there is none, the drafter
-  shipped for ``model`` (:mod:`eagle_jax.drafters.shipped`)."""
-  from eagle_jax.drafters import shipped  # it reads exports with this module's helpers
-
+  the most training tokens (for the target ``model`` if given), or None."""
   best = None
   if os.path.isdir(runs_dir):
     for run in sorted(os.listdir(runs_dir)):
@@ -116,11 +113,4 @@ def find_checkpoint(kind: str, runs_dir: str, model: str | None = None) -> str:
       key = (meta.get("train_tokens", 0), os.path.getmtime(meta_path))
       if best is None or key > best[0]:
         best = (key, os.path.join(runs_dir, run, "final"))
-  if best is None and (pretrained := shipped.find(kind, model)):
-    return pretrained
-  if best is None:
-    raise EagleJaxError(f"no trained {kind} drafter{'' if not model else ' for ' + model} in "
-                        f"{runs_dir}/ (train one with: eagle-jax train configs/train/{kind}-quick.yaml"
-                        f"{'' if not model else ' model=' + model}), none shipped and no "
-                        "checkpoint given")
-  return best[1]
+  return None if best is None else best[1]

@@ -16,7 +16,7 @@ from eagle_jax.drafters.kinds import (
   head_bits,
   option,
 )
-from eagle_jax.drafters.storage import find_checkpoint
+from eagle_jax.drafters.shipped import find_checkpoint
 from eagle_jax.model.checkpoints import save_hf_folder
 from eagle_jax.model.registry import load_model
 from eagle_jax.model.transformer import quantize_linears

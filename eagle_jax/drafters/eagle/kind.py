@@ -31,9 +31,9 @@ from eagle_jax.drafters.kinds import (
   head_bits,
   option,
 )
+from eagle_jax.drafters.shipped import find_checkpoint
 from eagle_jax.drafters.storage import (
   final_folder,
-  find_checkpoint,
   load_params,
   load_token_counts,
   read_meta,

@@ -31,9 +31,9 @@ from eagle_jax.drafters.medusa.heads import (
   rank_accuracies,
   tune_tree,
 )
+from eagle_jax.drafters.shipped import find_checkpoint
 from eagle_jax.drafters.storage import (
   final_folder,
-  find_checkpoint,
   load_params,
   read_meta,
   save_params,
