@@ -146,7 +146,7 @@ def _cmd_run(args) -> None:
 
 
 def _cmd_table(args) -> None:
-  print(render(args.results, args.format, args.per_category))
+  print(render(args.results, args.format, args.per_category, args.acceptance))
 
 
 def _cmd_tune(args) -> None:
@@ -304,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
   tb.add_argument("results", nargs="+", help="results/<name> folders")
   tb.add_argument("--format", default="markdown", choices=("markdown", "latex"))
   tb.add_argument("--per-category", action="store_true", help="add per-category tables")
+  tb.add_argument("--acceptance", action="store_true",
+                  help="add per-temperature tables of each method's budget, tau and n-alpha (n=1..6)")
   tb.set_defaults(func=_cmd_table)
 
   tu = sub.add_parser("tune", help="pick an EAGLE-2 or Medusa tree budget for this machine")

@@ -212,6 +212,20 @@ def test_table_command_markdown_and_latex(finished, capsys):
   assert main(["table", str(out), "--format", "latex"]) == 0
   tex = capsys.readouterr().out
   assert r"\begin{tabular}" in tex and "skip2 &" in tex
+  # acceptance tables: each drafting method's budget, tau and n-alpha as the summary holds them
+  summary = json.loads((out / "summary.json").read_text())
+  assert main(["table", str(out), "--acceptance"]) == 0
+  md = capsys.readouterr().out
+  for t in ("T0.0", "T1.0"):
+    section = md.split(f"Acceptance, {t.replace('T', 'T=')}")[1].split("Acceptance, ")[0]
+    rows = [l.split(" | ") for l in section.splitlines() if l.startswith("| pld |") or l.startswith("| skip2 |")]
+    assert len(rows) == 2 and "| vanilla |" not in section
+    for r in rows:
+      cell = summary["methods"][r[0][2:]][t]
+      assert r[1] == "tuned" and float(r[2]) == round(cell["tau"], 2)
+      assert float(r[3]) == round(cell["n_alpha"][0], 2) and len(r) == 3 + 6
+  assert main(["table", str(out), "--acceptance", "--format", "latex"]) == 0
+  assert "$6$-$\\alpha$" in capsys.readouterr().out
   assert main(["table", str(out / "nope")]) == 2
 
 

@@ -157,7 +157,25 @@ def _sources(summaries) -> list[str]:
                             for p in e.get("published", {}).values()))
 
 
-def render_markdown(summaries: list[dict], per_category: bool = False) -> str:
+ALPHA_DEPTHS = 6  # n-alpha columns of the acceptance tables (n = 1..6, as EAGLE reports them)
+
+
+def _acceptance(summaries, t):
+  """Rows ``[label, budget, tau, 1-alpha, ..., 6-alpha]`` (strings) of the acceptance table at
+  ``t``; vanilla, which drafts nothing, is left out."""
+  rows = []
+  for label, e, _ in _rows(summaries):
+    cell = e.get(t) or {}
+    if e.get("drafter") == "vanilla" or cell.get("tau") is None:
+      continue
+    alphas = list(cell.get("n_alpha") or [])[:ALPHA_DEPTHS]
+    alphas += [None] * (ALPHA_DEPTHS - len(alphas))
+    rows.append([label, e.get("budget") or "-", _fmt(cell["tau"])] + [_fmt(a) for a in alphas])
+  return rows
+
+
+def render_markdown(summaries: list[dict], per_category: bool = False,
+                    acceptance: bool = False) -> str:
   temps = list(dict.fromkeys(t for _, _, ts in _rows(summaries) for t in ts))
   paper = _paper_temps(summaries, temps)
   head = ["Method"] + [f"{c} ({t.replace('T', 'T=')})" for t in temps for c in ("Speedup", "τ")]
@@ -181,6 +199,14 @@ def render_markdown(summaries: list[dict], per_category: bool = False) -> str:
   if paper:
     lines.append("Paper: the published speedup / τ of the method's setting (its own hardware "
                  "and target), from " + "; ".join(_sources(summaries)) + ".")
+  if acceptance:
+    alpha_head = [f"{n}-α" for n in range(1, ALPHA_DEPTHS + 1)]
+    for t in temps:
+      lines += ["", f"Acceptance, {t.replace('T', 'T=')}: τ and n-α (the acceptance rate at draft "
+                "depth n given depths 1..n-1 were accepted; - where no draft reached depth n):", "",
+                "| " + " | ".join(["Method", "Budget", "τ"] + alpha_head) + " |",
+                "|" + "---|" * (3 + ALPHA_DEPTHS)]
+      lines += ["| " + " | ".join(r) + " |" for r in _acceptance(summaries, t)]
   if per_category:
     for t in temps:
       cats = sorted({c for _, e, _ in _rows(summaries) for c in e.get(t, {}).get("per_category", {})})
@@ -193,7 +219,8 @@ def render_markdown(summaries: list[dict], per_category: bool = False) -> str:
   return "\n".join(lines)
 
 
-def render_latex(summaries: list[dict], per_category: bool = False) -> str:
+def render_latex(summaries: list[dict], per_category: bool = False,
+                 acceptance: bool = False) -> str:
   temps = list(dict.fromkeys(t for _, _, ts in _rows(summaries) for t in ts))
   paper = _paper_temps(summaries, temps)
   esc = lambda s: s.replace("_", r"\_").replace("%", r"\%")
@@ -209,6 +236,14 @@ def render_latex(summaries: list[dict], per_category: bool = False) -> str:
     cells += [_paper(e, t, r"$\times$") for t in paper]
     out.append(esc(label) + " & " + " & ".join(cells) + r" \\")
   out += [r"\bottomrule", r"\end{tabular}"]
+  if acceptance:
+    for t in temps:
+      out += ["", rf"% acceptance, $T={t[1:]}$: $\tau$ and $n$-$\alpha$",
+              r"\begin{tabular}{ll" + "c" * (1 + ALPHA_DEPTHS) + "}", r"\toprule",
+              "Method & Budget & $\\tau$ & " + " & ".join(
+                  f"${n}$-$\\alpha$" for n in range(1, ALPHA_DEPTHS + 1)) + r" \\", r"\midrule"]
+      out += [" & ".join(esc(c) for c in r) + r" \\" for r in _acceptance(summaries, t)]
+      out += [r"\bottomrule", r"\end{tabular}"]
   if per_category:
     for t in temps:
       cats = sorted({c for _, e, _ in _rows(summaries) for c in e.get(t, {}).get("per_category", {})})
@@ -223,8 +258,9 @@ def render_latex(summaries: list[dict], per_category: bool = False) -> str:
   return "\n".join(out)
 
 
-def render(folders: list[str], fmt: str = "markdown", per_category: bool = False) -> str:
+def render(folders: list[str], fmt: str = "markdown", per_category: bool = False,
+           acceptance: bool = False) -> str:
   summaries = [read_summary(f) for f in folders]
   if fmt == "latex":
-    return render_latex(summaries, per_category)
-  return render_markdown(summaries, per_category)
+    return render_latex(summaries, per_category, acceptance)
+  return render_markdown(summaries, per_category, acceptance)
