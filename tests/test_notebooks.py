@@ -6,6 +6,7 @@ directory, points the notebook at the fixtures through its environment variable,
 the figures (``image/png`` outputs) it draws.
 """
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "tests" / "assets" / "results"
-NOTEBOOKS = ["acceptance.ipynb", "sweeps.ipynb"]
+RUNS = REPO / "tests" / "assets" / "runs"  # metrics.jsonl and config.yaml of real training runs
+NOTEBOOKS = ["acceptance.ipynb", "sweeps.ipynb", "learning_curves.ipynb"]
 
 
 def _execute(name, cwd, monkeypatch, env, extra_source=None):
@@ -67,3 +69,20 @@ def test_sweeps_skip_absent(tmp_path, monkeypatch):
   assert pngs == 1  # a relative root resolves against the working directory
   assert [line.split(":")[0] for line in text.splitlines() if "(skipped)" in line] == [
       "sweep-batch", "sweep-temperature", "sweep-alignment"]
+
+
+def test_learning_curves(tmp_path, monkeypatch):
+  runs = sorted(p.name for p in RUNS.iterdir() if (p / "metrics.jsonl").is_file())
+  pngs, text, _ = _execute("learning_curves.ipynb", tmp_path, monkeypatch,
+                           {"EAGLE_JAX_RUNS_ROOT": str(RUNS)})
+  assert pngs == 2 and f"{len(runs)} runs with held-out evaluations" in text
+  # the last evaluation of each run, as its metrics.jsonl holds it
+  for name in runs:
+    rows = [json.loads(l) for l in (RUNS / name / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "heldout_acc_0" in r][-1]
+    assert f"{name} (" in text and f"top-1 by depth {last['heldout_acc_0']:.3f}" in text
+    if "heldout_tau" in last:
+      assert f"tau {last['heldout_tau']:.3f} after {last['tokens']:,} token steps" in text
+  pngs, text, _ = _execute("learning_curves.ipynb", tmp_path, monkeypatch,
+                           {"EAGLE_JAX_RUNS_ROOT": str(RUNS), "EAGLE_JAX_RUNS": runs[0]})
+  assert "1 runs with held-out evaluations" in text
