@@ -166,7 +166,7 @@ def _acceptance(summaries, t):
   rows = []
   for label, e, _ in _rows(summaries):
     cell = e.get(t) or {}
-    if e.get("drafter") == "vanilla" or cell.get("tau") is None:
+    if cell.get("tau") is None:  # vanilla
       continue
     alphas = list(cell.get("n_alpha") or [])[:ALPHA_DEPTHS]
     alphas += [None] * (ALPHA_DEPTHS - len(alphas))
