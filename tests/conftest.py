@@ -45,11 +45,20 @@ def mtbench_prompts(smollm):
   return [smollm.tokenizer.chat_prompt(q.turns[0]) for q in load_mtbench()]
 
 
+@pytest.fixture(scope="session")
+def vanilla20(smollm, mtbench_prompts):
+  """20 MT-bench prompts, their padded width and vanilla's greedy output (tests/lossless.py)."""
+  from lossless import vanilla_greedy_20
+
+  return vanilla_greedy_20(smollm.model, mtbench_prompts)
+
+
 # The suite runs on two xdist workers, one test module per worker at a time (--dist loadscope,
 # which hands each worker its first two modules in collection order). Compiling real-size
 # programs is single-threaded, so a second worker keeps the second core busy; the longest modules
 # go first and alternate between the workers so that no worker finishes with a long tail.
-LONGEST_FIRST = ["test_train_cli.py", "test_speculative.py", "test_experiment.py", "test_eagle.py"]
+LONGEST_FIRST = ["test_train_cli.py", "test_speculative.py", "test_shipped_lossless.py",
+                 "test_experiment.py", "test_eagle.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from chi2 import assert_sampling_matches_vanilla, sampling_target
+from lossless import assert_greedy_matches_vanilla20
 from eagle_jax.model.config import tiny_config
 from eagle_jax.drafters import DraftModelDrafter, PromptLookupDrafter, self_draft_model
 from eagle_jax.decoding.protocol import Draft
@@ -214,85 +215,24 @@ def test_sampling_check_rejects_a_broken_verifier(broken):
   assert got.tau > 1.0  # drafts were verified (and accepted) through the broken step
 
 
-@pytest.fixture(scope="module")
-def vanilla20(smollm, mtbench_prompts):
-  """20 MT-bench prompts, their common padded width, and vanilla greedy output, one at a time."""
-  prompts = mtbench_prompts[::4][:20]
-  width = max(map(len, prompts))  # one padded shape: one compilation per decode function
-  return prompts, width, [generate(smollm.model, [p], max_new_tokens=24, prompt_width=width).tokens[0]
-                          for p in prompts]
-
-
-def shipped_drafter(name, target, **values):
-  """The drafter kind ``name`` builds from the drafter shipped for the default target, at the
-  published budget (``values``: options that override it)."""
-  from eagle_jax.drafters import registry, shipped
-  from eagle_jax.drafters.kinds import Context
-
-  folder = shipped.find(registry.get(name).weights, "smollm2-135m-instruct")
-  assert folder, f"no shipped drafter for {name}"
-  return registry.build(name, target, registry.make_options(name, values, budget="paper"),
-                        Context(checkpoint=folder))
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pld", "self-draft", "draft-model", "shipped-eagle1",
-                                  "shipped-eagle2", "shipped-eagle3"])
+@pytest.mark.parametrize("name", ["pld", "self-draft", "draft-model"])
 def test_real_model_greedy_lossless_20_prompts(smollm, vanilla20, name):
-  """20 MT-bench prompts, batch 1 and ragged batches of 4: identical to vanilla greedy. The
-  shipped EAGLE heads draft at their papers' budgets: EAGLE-1's static 25-node tree, 60-node
-  dynamic trees for EAGLE-2 (depth 6) and EAGLE-3 (depth 7)."""
+  """20 MT-bench prompts, batch 1 and ragged batches of 4: identical to vanilla greedy (the
+  shipped trained heads: tests/test_shipped_lossless.py)."""
   target = smollm.model
-  if name.startswith("shipped-"):
-    drafter, dparams = shipped_drafter(name.removeprefix("shipped-"), target)
-  elif name == "pld":  # cost-aware widths, as the CLI drafts (costs as measured on a 2-core CPU)
+  if name == "pld":  # cost-aware widths, as the CLI drafts (costs as measured on a 2-core CPU)
     drafter, dparams = PromptLookupDrafter(gamma=8, max_ngram=3, widths=(3, 8), costs=(1.7, 2.3)), None
   elif name == "self-draft":
     drafter, dparams = DraftModelDrafter.create(self_draft_model(target, 6), gamma=2)
   else:  # an untrained random draft model sharing the tokenizer: the worst honest draft
     cfg = tiny_config(vocab_size=target.config.vocab_size, hidden_size=64, num_layers=2)
     drafter, dparams = DraftModelDrafter.create(Transformer(cfg, rngs=nnx.Rngs(0)), gamma=2)
-  prompts, width, vanilla = vanilla20
-  spec = lambda batch: speculative_generate(target, drafter, dparams, batch, max_new_tokens=24,
-                                            prompt_width=width)
-  taus = []
-  for i in range(0, 20, 4):
-    batch = spec(prompts[i:i + 4])
-    assert batch.tokens == vanilla[i:i + 4]
-    taus.append(batch.tau)
-  for p, ref in zip(prompts, vanilla):
-    assert spec([p]).tokens[0] == ref
+  taus = assert_greedy_matches_vanilla20(target, drafter, dparams, vanilla20)
   if name == "draft-model":  # random weights over a 49k vocabulary: no draft is the target's
     assert taus == [1.0] * 5, taus
-  else:  # trained heads, prompt lookup, the target's own layers: drafts accepted in every batch
+  else:  # prompt lookup, the target's own layers: drafts accepted in every batch
     assert min(taus) > 1.0, taus
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["eagle2", "eagle3"])
-def test_real_model_sampling_with_shipped_drafters_matches_vanilla(smollm, name):
-  """T=1 (top-k 3) on the real target: tokens 2-3 sampled 300 times after a short text, drafted
-  by a shipped head in a small dynamic tree (the verify pass over 300 rows stays cheap) against
-  vanilla, by a two-sample chi-square at about the 99.99% level; drafts are accepted (tau > 1).
-  EAGLE-1 drafts with the EAGLE-2 head; trees and chains of every shape are checked by the same
-  test on tiny models (tests/test_eagle.py)."""
-  import numpy as np
-
-  from chi2 import assert_same_distribution
-  from eagle_jax.decoding.sampling import SamplingParams
-
-  target = smollm.model
-  drafter, dparams = shipped_drafter(name, target, total_tokens=6, depth=3, top_k=2)
-  setting = dict(prompts=[smollm.tokenizer.encode("The seven colours of the rainbow are")] * 300,
-                 max_new_tokens=3, stop_ids=(), params=SamplingParams(temperature=1.0, top_k=3))
-  pairs = lambda gen: [tuple(t[1:3]) for t in gen.tokens]
-  ref = pairs(generate(target, seed=1, **setting))
-  got_gen = speculative_generate(target, drafter, dparams, seed=2, **setting)
-  got = pairs(got_gen)
-  cells = {p: i for i, p in enumerate(sorted(set(ref) | set(got)))}
-  assert_same_distribution(np.array([cells[p] for p in ref]), np.array([cells[p] for p in got]),
-                           len(cells))
-  assert got_gen.tau > 1.0, got_gen.tau
 
 
 def test_fastest_ms_warms_up_then_keeps_the_fastest_call(monkeypatch):
