@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from flax import nnx
+
 from eagle_jax.decoding.generate import generate
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.speculative import speculative_generate
@@ -17,6 +19,7 @@ from eagle_jax.drafters.draft_model.train import (
   time_draft_sizes,
 )
 from eagle_jax.drafters.kinds import BUDGETS, Context, flag_of
+from eagle_jax import parallel
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation.bench_decode import bench_decode
 from eagle_jax.evaluation.bench_regenerate import bench_regenerate
@@ -26,6 +29,7 @@ from eagle_jax.evaluation.dryrun import dry_run, render_plan
 from eagle_jax.evaluation.runner import run_experiment
 from eagle_jax.evaluation.tables import render
 from eagle_jax.model.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
+from eagle_jax.model.transformer import shard
 from eagle_jax.pipeline.train import run_training, tune_checkpoint
 from eagle_jax.training.regenerate import regenerate
 from eagle_jax.training.settings import TuneConfig
@@ -60,15 +64,19 @@ def _cmd_generate(args) -> None:
   # before loading anything
   options = registry.make_options(args.drafter, _set_options(args), _context_set(args),
                                   args.budget)
+  mesh = parallel.make_mesh(args.mesh)
   lm = load_model(args.model, args.dtype)
   prompt = lm.tokenizer.chat_prompt(args.message)
+  shard(lm.model, mesh)
   drafter, dparams = registry.build(args.drafter, lm.model, options, _context(args, args.model))
+  dparams = shard(dparams, mesh)
   common = dict(max_new_tokens=args.max_new_tokens, params=params, seed=args.seed,
                 max_cache_len=args.max_cache_len)
-  if drafter is None:
-    gen = generate(lm.model, [prompt], **common)
-  else:
-    gen = speculative_generate(lm.model, drafter, dparams, [prompt], **common)
+  with parallel.use_mesh(mesh):
+    if drafter is None:
+      gen = generate(lm.model, [prompt], **common)
+    else:
+      gen = speculative_generate(lm.model, drafter, dparams, [prompt], **common)
   text = lm.tokenizer.decode(gen.tokens[0])
   stats = {}
   if drafter is not None:
@@ -76,8 +84,11 @@ def _cmd_generate(args) -> None:
              "target_passes": len(gen.accepted[0]),
              "tau_counts": "tokens per target verify pass, bonus token included, prefill excluded"}
   if args.json:
+    sizes = parallel.param_bytes((nnx.state(lm.model, nnx.Param), dparams))
     print(json.dumps({"model": args.model, "drafter": args.drafter,
-                      "dtype": str(lm.model.embed.dtype), "prompt_tokens": len(prompt),
+                      "dtype": str(lm.model.embed.dtype), "mesh": _mesh_json(mesh),
+                      "param_bytes_total": sizes["total"],
+                      "param_bytes_per_device": sizes["per_device"], "prompt_tokens": len(prompt),
                       "token_ids": gen.tokens[0], "text": text, "new_tokens": gen.num_new[0],
                       "tokens_per_s": round(gen.tokens_per_s, 3), "seconds": round(gen.seconds, 4),
                       "compile_seconds": round(gen.compile_seconds, 3), **stats,
@@ -177,6 +188,18 @@ def _cmd_demo(args) -> None:
   run_demo(model=args.model, num_questions=args.num_questions, max_new_tokens=args.max_new_tokens)
 
 
+def _mesh_json(mesh) -> dict:
+  """The mesh as JSON: axis sizes and device count (one device without a mesh)."""
+  spec = parallel.spec_of(mesh)
+  return {**(spec or parallel.MeshSpec()).as_dict(), "devices": 1 if mesh is None else mesh.size}
+
+
+def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--mesh", default=None,
+                 help="device mesh data=D,fsdp=F,tensor=T (axes of size 1 may be left out; the "
+                 "product must equal the device count; default: one device, no mesh)")
+
+
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   """One flag per option of the drafter registry (unset = the drafter's default)."""
   for name, f in registry.option_fields().items():
@@ -227,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the target's parameters (default: a Hugging Face folder's own dtype; "
                  "GGUF conversions are float32)")
   g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+  _add_mesh_arg(g)
   g.add_argument("--drafter", default="vanilla", choices=registry.NAMES,
                  help="speculative drafter (vanilla = plain decoding)")
   _add_drafter_args(g)

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "eagle_jax"
 # bottom to top; a module may import its own layer's modules and any layer below
-LAYERS = [("errors", "configs", "paths"), ("kernels",), ("model",), ("decoding",), ("training",),
+LAYERS = [("errors", "configs", "paths", "parallel"), ("kernels",), ("model",), ("decoding",), ("training",),
           ("drafters",), ("pipeline",), ("evaluation",), ("cli", "__init__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 MAX_LINES = 500

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle_jax import parallel
 from eagle_jax.decoding.sampling import SamplingParams, sample
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.transformer import KVCache, Output, Transformer
@@ -248,8 +249,8 @@ def run_compiled(jitted, args, statics: dict, host: bool = True):
   """Compiles ``jitted`` ahead of time once per (function, argument shapes, statics), then runs
   it; returns (outputs, compile seconds, run seconds) so runs are timed without compile.
   Outputs are numpy arrays, or device arrays with ``host=False``."""
-  shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args))
-  key = (jitted, jax.tree.structure(args), shapes, tuple(sorted(statics.items())))
+  shapes = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(args))
+  key = (jitted, jax.tree.structure(args), shapes, tuple(sorted(statics.items())), parallel.current())
   t0 = time.perf_counter()
   if key not in _COMPILED:
     _COMPILED[key] = jitted.lower(*args, **statics).compile()

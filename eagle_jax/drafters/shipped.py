@@ -30,7 +30,7 @@ import yaml
 
 from eagle_jax.drafters.storage import final_folder, find_trained, read_meta, write_meta
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model.checkpoints import read_safetensors, write_safetensors
+from eagle_jax.model.checkpoints import read_metadata, read_safetensors, write_safetensors
 from eagle_jax.model.registry import REGISTRY
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
@@ -107,7 +107,8 @@ def _convert(src: str, dst: str, dtype: np.dtype) -> None:
     if name.endswith(".safetensors"):
       tensors = read_safetensors(src, [path])
       write_safetensors({k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) or
-                         v.dtype == DTYPES["bfloat16"] else v for k, v in tensors.items()}, out)
+                         v.dtype == DTYPES["bfloat16"] else v for k, v in tensors.items()}, out,
+                        read_metadata(path))
     elif name == "config.json":
       with open(path) as f:
         config = json.load(f)

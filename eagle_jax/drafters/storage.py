@@ -26,7 +26,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from eagle_jax.errors import EagleJaxError
-from eagle_jax.model.checkpoints import read_safetensors
+from eagle_jax.model.checkpoints import read_metadata, read_safetensors
+from eagle_jax.model.transformer import fuse_rows, fused_rows
 
 
 def final_folder(path: str) -> str:
@@ -76,11 +77,30 @@ def load_token_counts(path: str, vocab: int) -> np.ndarray:
   return counts
 
 
+# params.safetensors metadata: the fused q/k/v and gate/up weights are stored in the model's row
+# order (eagle_jax.model.transformer.fused_rows); files without it stack q, k, v (gate, up)
+FUSED_ROWS = {"fused_rows": "grouped"}
+
+
 def save_params(module, folder: str) -> None:
   """Writes ``module``'s state to ``folder/params.safetensors`` under its flat NNX names."""
   flat = {".".join(str(p) for p in path): np.asarray(v[...])
           for path, v in nnx.to_flat_state(nnx.state(module))}
-  save_file(flat, os.path.join(folder, "params.safetensors"))
+  save_file(flat, os.path.join(folder, "params.safetensors"), metadata=FUSED_ROWS)
+
+
+def _fuse_stacked(module, tensors: dict) -> None:
+  """Puts the fused weights of a file that stacks q, k, v (and gate, up) by rows in the model's
+  row order (:func:`~eagle_jax.model.transformer.fused_rows`), in place."""
+  for path, node in nnx.iter_graph(module):
+    order = fused_rows(node)
+    if order is None:
+      continue
+    prefix = ".".join(str(p) for p in path)
+    for name in ("qkv.weight", "qkv.bias", "gate_up.weight"):
+      key = f"{prefix}.{name}" if prefix else name
+      if key in tensors:
+        tensors[key] = fuse_rows(tensors[key], order)
 
 
 def load_params(module, folder: str):
@@ -88,6 +108,8 @@ def load_params(module, folder: str):
   each tensor converted to its parameter's dtype (shipped heads store bfloat16)."""
   path = os.path.join(folder, "params.safetensors")
   tensors = read_safetensors(folder, [path])
+  if read_metadata(path).get("fused_rows") != FUSED_ROWS["fused_rows"]:
+    _fuse_stacked(module, tensors)
   state = nnx.state(module)
   for p, v in nnx.to_flat_state(state):
     key = ".".join(str(x) for x in p)

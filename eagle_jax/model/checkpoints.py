@@ -28,7 +28,7 @@ from flax import nnx
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.config import ModelConfig
-from eagle_jax.model.transformer import Transformer, WeightBlocks
+from eagle_jax.model.transformer import Transformer, WeightBlocks, fuse_rows, fused_rows, unfuse_rows
 
 BLOCKS_FILE = "gguf_blocks.safetensors"  # integer blocks of quantized weights (gguf_convert)
 
@@ -160,11 +160,22 @@ def read_safetensors(folder: str, paths: list[str] | None = None) -> dict[str, n
   return {name: read_tensor(entry) for name, entry in tensor_index(folder, paths).items()}
 
 
-def write_safetensors(tensors: dict[str, np.ndarray], path: str) -> None:
+def read_metadata(path: str) -> dict[str, str]:
+  """The ``__metadata__`` strings of safetensors file ``path`` (``{}`` without any)."""
+  read_header(path)  # a malformed file is a one-line error
+  with open(path, "rb") as f:
+    length = int.from_bytes(f.read(8), "little")
+    meta = json.loads(f.read(length)).get("__metadata__") or {}
+  return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: str,
+                      metadata: dict[str, str] | None = None) -> None:
   """Writes ``tensors`` as one safetensors file, in their dtypes (bfloat16 included, whichever
-  dtypes the installed ``safetensors`` package converts)."""
+  dtypes the installed ``safetensors`` package converts), with ``metadata`` strings in its
+  header."""
   arrays = {name: np.asarray(a, order="C") for name, a in tensors.items()}
-  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
   for name, a in arrays.items():
     if a.dtype not in _ST_NAMES:
       raise EagleJaxError(f"tensor {name!r}: dtype {a.dtype} has no safetensors name")
@@ -211,14 +222,18 @@ def _assign(param: nnx.Variable, value: np.ndarray, name: str, dtype) -> None:
   param.value = jnp.asarray(np.asarray(value).astype(dtype, copy=False))
 
 
-def _stacked_blocks(blocks: dict[str, Blocks], names: list[str], shape) -> WeightBlocks | None:
-  """The integer blocks of weights ``names`` stacked by rows, if each has them in one format."""
+def _stacked_blocks(blocks: dict[str, Blocks], names: list[str], shape,
+                    order: np.ndarray | None = None) -> WeightBlocks | None:
+  """The integer blocks of weights ``names`` stacked by rows (then in the fused row ``order``,
+  :func:`~eagle_jax.model.transformer.fused_rows`, if given), if each has them in one format."""
   parts = [blocks.get(n) for n in names]
   if any(p is None for p in parts) or len({p.q_OxQ.dtype for p in parts}) != 1:
     return None
   stacked = Blocks.concat(parts)
   if tuple(stacked.shape) != tuple(shape):
     return None
+  if order is not None:
+    stacked = stacked.take(order)
   return WeightBlocks(jax.tree.map(jnp.asarray, stacked))
 
 
@@ -240,9 +255,9 @@ def _stacked(get: Callable[[str], np.ndarray], names: list[str], rows: list[int]
 
 
 def _load_linear(lin, get, names: list[str], dtype, blocks: dict[str, Blocks],
-                 rows: list[int] | None = None) -> None:
+                 rows: list[int] | None = None, order: np.ndarray | None = None) -> None:
   """Loads one or more Hugging Face linears stacked by rows (fused q/k/v, gate/up: ``rows``
-  each), concatenated in ``dtype``."""
+  each, then put in the fused row ``order``), in ``dtype``."""
   kinds = ["weight"] + (["bias"] if lin.bias is not None else [])
   for kind in kinds:
     param = getattr(lin, kind)
@@ -250,9 +265,10 @@ def _load_linear(lin, get, names: list[str], dtype, blocks: dict[str, Blocks],
     if len(names) == 1:
       _assign(param, get(keys[0]), keys[0], dtype)
     else:
-      value = _stacked(get, keys, rows, tuple(param.shape[1:]), dtype)
+      value = fuse_rows(_stacked(get, keys, rows, tuple(param.shape[1:]), dtype), order)
       _assign(param, value, "+".join(keys), dtype)
-  lin.blocks = _stacked_blocks(blocks, [n + ".weight" for n in names], lin.weight.shape)
+  lin.blocks = _stacked_blocks(blocks, [n + ".weight" for n in names], lin.weight.shape,
+                               order if len(names) > 1 else None)
 
 
 def load_weights(model: Transformer, get: Callable[[str], np.ndarray], dtype,
@@ -273,10 +289,10 @@ def load_weights(model: Transformer, get: Callable[[str], np.ndarray], dtype,
     _assign(layer.post_norm.weight, get(prefix + "post_attention_layernorm.weight"),
             prefix + "post_attention_layernorm.weight", dtype)
     _load_linear(layer.attn.qkv, get, [prefix + f"self_attn.{n}_proj" for n in "qkv"], dtype,
-                 blocks, [q_rows, kv_rows, kv_rows])
+                 blocks, [q_rows, kv_rows, kv_rows], fused_rows(layer.attn))
     _load_linear(layer.attn.o, get, [prefix + "self_attn.o_proj"], dtype, blocks)
     _load_linear(layer.mlp.gate_up, get, [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"], dtype,
-                 blocks, [c.intermediate_size] * 2)
+                 blocks, [c.intermediate_size] * 2, fused_rows(layer.mlp))
     _load_linear(layer.mlp.down, get, [prefix + "mlp.down_proj"], dtype, blocks)
   _assign(model.final_norm.weight, get("model.norm.weight"), "model.norm.weight", dtype)
   if model.lm_head is not None:
@@ -350,14 +366,15 @@ def _hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     prefix = f"model.layers.{i}."
     out[prefix + "input_layernorm.weight"] = np.asarray(layer.input_norm.weight[...])
     out[prefix + "post_attention_layernorm.weight"] = np.asarray(layer.post_norm.weight[...])
+    qkv_order = fused_rows(layer.attn)
     parts = {"weight": np.asarray(layer.attn.qkv.weight[...])}
     if layer.attn.qkv.bias is not None:
       parts["bias"] = np.asarray(layer.attn.qkv.bias[...])
     for kind, w in parts.items():
-      for n, piece in zip("qkv", np.split(w, [q, q + kv])):
+      for n, piece in zip("qkv", np.split(unfuse_rows(w, qkv_order), [q, q + kv])):
         out[prefix + f"self_attn.{n}_proj.{kind}"] = piece
     out[prefix + "self_attn.o_proj.weight"] = np.asarray(layer.attn.o.weight[...])
-    gate, up = np.split(np.asarray(layer.mlp.gate_up.weight[...]), 2)
+    gate, up = np.split(unfuse_rows(np.asarray(layer.mlp.gate_up.weight[...]), fused_rows(layer.mlp)), 2)
     out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate, up
     out[prefix + "mlp.down_proj.weight"] = np.asarray(layer.mlp.down.weight[...])
   if model.lm_head is not None:

@@ -27,6 +27,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from eagle_jax import parallel
+
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
@@ -77,7 +79,7 @@ def reference_only() -> Iterator[None]:
 
 def _implementation(op: str, operands: tuple, static: dict) -> tuple[str, Implementation] | None:
   """The platform and implementation that computes ``op`` for these operands, if any."""
-  if _REFERENCE_ONLY.value:
+  if _REFERENCE_ONLY.value or parallel.spans_devices():  # a mesh: single-device kernels step aside
     return None
   plugin = _PLUGINS.get(jax.default_backend())
   impl = None if plugin is None else plugin.implementations.get(op)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle_jax import parallel
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.blocks import BLOCK, Blocks
 from eagle_jax.model.config import ModelConfig
@@ -57,7 +58,9 @@ class KVCache:
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-    zeros = tuple(empty_kv(config, batch, max_len, dtype)[0] for _ in range(config.num_layers))
+    """Empty, laid out over the current mesh if any (:data:`eagle_jax.parallel.CACHE_AXES`)."""
+    zeros = tuple(parallel.constrain(empty_kv(config, batch, max_len, dtype)[0], parallel.CACHE_AXES,
+                                     "KV cache") for _ in range(config.num_layers))
     return cls(k=zeros, v=zeros, lengths_B=jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -183,8 +186,66 @@ def quantize_linears(module: nnx.Module) -> int:
   return count
 
 
+def shard(tree, mesh):
+  """``tree`` (a model, a drafter's parameters: any pytree of NNX modules, states and arrays)
+  laid out over ``mesh`` by the partition rules (:func:`eagle_jax.parallel.place_params`), the
+  integer weight blocks of its modules dropped first (only the CPU kernels read them, and they
+  step aside under a mesh); ``tree`` unchanged without a mesh."""
+  if mesh is None:
+    return tree
+  for module in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Module)):
+    if isinstance(module, nnx.Module):
+      for _, node in list(nnx.iter_graph(module)):
+        for attr, value in list(vars(node).items()) if isinstance(node, nnx.Module) else ():
+          if isinstance(value, WeightBlocks):
+            setattr(node, attr, None)
+  return parallel.place_params(tree, mesh)
+
+
 def _linear(din, dout, bias, rngs, param_dtype):
   return Linear(din, dout, bias=bias, rngs=rngs, param_dtype=param_dtype)
+
+
+def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
+  """The fused q/k/v weight's row order, as indices into the rows of q, k and v stacked (Hugging
+  Face's three projections one under the other): for each kv head, the rows of its
+  ``num_heads / num_kv_heads`` query heads, then its key's, then its value's.
+
+  Why grouped: a contiguous split of the rows over devices then gives each device whole kv
+  groups with their query heads (tensor parallelism per head, :mod:`eagle_jax.parallel`); a
+  split of q, k and v stacked would cut across the seams between them."""
+  g, dh = num_heads // num_kv_heads, head_dim
+  q = np.arange(num_heads * dh).reshape(num_kv_heads, g * dh)
+  k = num_heads * dh + np.arange(num_kv_heads * dh).reshape(num_kv_heads, dh)
+  return np.concatenate([q, k, k + num_kv_heads * dh], axis=1).reshape(-1)
+
+
+def gate_up_rows(intermediate_size: int) -> np.ndarray:
+  """The fused gate/up weight's row order, as indices into gate's rows stacked over up's: row
+  ``2 f`` is gate's ``f``, row ``2 f + 1`` up's, so any contiguous split keeps each hidden unit's
+  gate and up rows on one device."""
+  f = np.arange(intermediate_size)
+  return np.stack([f, f + intermediate_size], axis=1).reshape(-1)
+
+
+def fused_rows(module) -> np.ndarray | None:
+  """The row order (:func:`qkv_rows`, :func:`gate_up_rows`) of a fused :class:`Linear` inside
+  ``module`` (an :class:`Attention`'s ``qkv`` or an :class:`MLP`'s ``gate_up``), else None."""
+  if isinstance(module, Attention):
+    return qkv_rows(module.num_heads, module.num_kv_heads, module.head_dim)
+  if isinstance(module, MLP):
+    return gate_up_rows(module.down.weight.shape[1])
+  return None
+
+
+def fuse_rows(stacked, rows: np.ndarray):
+  """Separate projections stacked by rows -> the fused layout (``rows`` from :func:`fused_rows`)."""
+  return stacked[rows]
+
+
+def unfuse_rows(fused, rows: np.ndarray):
+  """The fused layout -> the projections stacked by rows again (inverse of :func:`fuse_rows`)."""
+  return fused[np.argsort(rows)]
 
 
 class Attention(nnx.Module):
@@ -200,6 +261,11 @@ class Attention(nnx.Module):
     self.qkv = _linear(input_size or c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                        c.attention_bias, rngs, param_dtype)
     self.o = _linear(c.num_heads * c.head_dim, c.hidden_size, False, rngs, param_dtype)
+    # tensor parallelism splits these by whole kv-head groups (eagle_jax.parallel)
+    parallel.set_units(self.qkv.weight, (c.num_kv_heads, None))
+    if self.qkv.bias is not None:
+      parallel.set_units(self.qkv.bias, (c.num_kv_heads,))
+    parallel.set_units(self.o.weight, (None, c.num_kv_heads))
 
   def __call__(self, x_BxTxD: jax.Array | Normed, cos_BxTxDh, sin_BxTxDh, bias: "AttnBias",
                kv_cache, slots_BxT):
@@ -213,14 +279,16 @@ class Attention(nnx.Module):
     """
     b, t, _ = x_BxTxD.shape
     kh, g, dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-    qkv_BxTxNxDh = self.qkv(x_BxTxD).reshape(b, t, kh * g + 2 * kh, dh)
-    qk_BxTxNxDh = apply_rope(qkv_BxTxNxDh[:, :, :kh * g + kh], cos_BxTxDh, sin_BxTxDh)
-    q_BxTxHxDh = qk_BxTxNxDh[:, :, :kh * g] * (1.0 / math.sqrt(dh))
-    k_BxKxTxDh = qk_BxTxNxDh[:, :, kh * g:].transpose(0, 2, 1, 3)
-    v_BxKxTxDh = qkv_BxTxNxDh[:, :, kh * g + kh:].transpose(0, 2, 1, 3)
+    # rows grouped by kv head (qkv_rows): each group's g query heads, then its key and value
+    qkv_BxTxKxNxDh = self.qkv(x_BxTxD).reshape(b, t, kh, g + 2, dh)
+    qk_BxTxKxNxDh = apply_rope(qkv_BxTxKxNxDh[:, :, :, :g + 1].reshape(b, t, kh * (g + 1), dh),
+                               cos_BxTxDh, sin_BxTxDh).reshape(b, t, kh, g + 1, dh)
+    q_BxTxKxGxDh = qk_BxTxKxNxDh[:, :, :, :g] * (1.0 / math.sqrt(dh))
+    k_BxKxTxDh = qk_BxTxKxNxDh[:, :, :, g].transpose(0, 2, 1, 3)
+    v_BxKxTxDh = qkv_BxTxKxNxDh[:, :, :, g + 1].transpose(0, 2, 1, 3)
     # Products are batched over (row, kv head) with the g query heads of a group and the t
     # queries as one matrix: XLA's CPU dot is far faster on that shape than with t or g batched.
-    q_BxKxMxDh = q_BxTxHxDh.reshape(b, t, kh, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
+    q_BxKxMxDh = q_BxTxKxGxDh.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
     # One softmax over the parts (the old cache, the new tokens) without joining them.
     parts = [(k_BxKxTxDh, v_BxKxTxDh, bias.new_BxTxT)]
     if kv_cache is not None and bias.cache_BxTxS is not None:  # else nothing in the cache to read
@@ -245,12 +313,15 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     d, f = config.hidden_size, config.intermediate_size
-    self.gate_up = _linear(d, 2 * f, False, rngs, param_dtype)  # gate rows, then up rows
+    self.gate_up = _linear(d, 2 * f, False, rngs, param_dtype)  # gate and up rows paired (gate_up_rows)
     self.down = _linear(f, d, False, rngs, param_dtype)
+    parallel.set_units(self.gate_up.weight, (f, None))  # split by whole (gate, up) pairs
 
   def __call__(self, x: jax.Array | Normed):
     """``x`` may be a :class:`~eagle_jax.model.ops.Normed` value."""
-    gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+    y = self.gate_up(x)
+    y = y.reshape(*y.shape[:-1], -1, 2)  # [..., F, (gate, up)]
+    gate, up = y[..., 0], y[..., 1]
     return self.down(jax.nn.silu(gate) * up)
 
 

@@ -27,6 +27,7 @@ from eagle_jax.drafters import interop
 from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig, default_fuse_layers
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.config import ModelConfig
+from eagle_jax.model.transformer import fuse_rows, fused_rows, unfuse_rows
 
 # the draft layer's sizes an imported head's config.json sets (the rest is the target's)
 _LAYER_FIELDS = ("intermediate_size", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
@@ -79,10 +80,10 @@ def to_published(head: EagleHead) -> dict[str, np.ndarray]:
     out["fc.bias"] = arr(head.fc.bias)
   for kind, v in (("weight", attn.qkv.weight), ("bias", attn.qkv.bias)):
     if v is not None:
-      for n, part in zip("qkv", np.split(arr(v), [q, q + kv])):
+      for n, part in zip("qkv", np.split(unfuse_rows(arr(v), fused_rows(attn)), [q, q + kv])):
         out[p + f"self_attn.{n}_proj.{kind}"] = part
   out[p + "self_attn.o_proj.weight"] = arr(attn.o.weight)
-  gate, up = np.split(arr(mlp.gate_up.weight), 2)
+  gate, up = np.split(unfuse_rows(arr(mlp.gate_up.weight), fused_rows(mlp)), 2)
   out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
   out[p + "mlp.down_proj.weight"] = arr(mlp.down.weight)
   out[p + "post_attention_layernorm.weight"] = arr(post_norm.weight)
@@ -188,11 +189,12 @@ def _fill(head: EagleHead, t: dict, ids) -> None:
   put(head.fc.weight, t["fc.weight"])
   if head.fc.bias is not None:
     put(head.fc.bias, t["fc.bias"])
-  put(attn.qkv.weight, np.concatenate([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+  fused = lambda names, module: fuse_rows(np.concatenate([t[p + n] for n in names]), fused_rows(module))
+  put(attn.qkv.weight, fused([f"self_attn.{n}_proj.weight" for n in "qkv"], attn))
   if attn.qkv.bias is not None:
-    put(attn.qkv.bias, np.concatenate([t[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+    put(attn.qkv.bias, fused([f"self_attn.{n}_proj.bias" for n in "qkv"], attn))
   put(attn.o.weight, t[p + "self_attn.o_proj.weight"])
-  put(mlp.gate_up.weight, np.concatenate([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]))
+  put(mlp.gate_up.weight, fused(["mlp.gate_proj.weight", "mlp.up_proj.weight"], mlp))
   put(mlp.down.weight, t[p + "mlp.down_proj.weight"])
   put(post_norm.weight, t[p + "post_attention_layernorm.weight"])
   if head.config.version == 3:

@@ -1,0 +1,142 @@
+"""Device meshes: parsing, the partition rules' fallbacks, the fused row orders they rely on, and
+decoding over 8 forced CPU devices equal to one device (in a subprocess: the device count is
+fixed when JAX starts)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from eagle_jax import parallel
+from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig
+from eagle_jax.drafters.storage import load_params, save_params
+from eagle_jax.errors import EagleJaxError
+from eagle_jax.model.checkpoints import read_safetensors, write_safetensors
+from eagle_jax.model.transformer import gate_up_rows, qkv_rows, unfuse_rows
+
+
+def test_mesh_specs_parse_and_bad_ones_are_one_line_errors():
+  assert parallel.parse_mesh("data=2,tensor=4") == parallel.MeshSpec(data=2, tensor=4)
+  assert parallel.parse_mesh({"fsdp": 8}) == parallel.MeshSpec(fsdp=8)
+  assert parallel.parse_mesh(None) is None and parallel.parse_mesh("") is None
+  for bad, words in [("data=0", "positive"), ("pipe=2", "unknown"), ("data=2,data=2", "twice"),
+                     ("data", "axis=size"), ("tensor=x", "integer"), ("fsdp=1.5", "integer")]:
+    with pytest.raises(EagleJaxError, match=words):
+      parallel.parse_mesh(bad)
+  with pytest.raises(EagleJaxError, match="spans 8 devices, but JAX sees 1"):
+    parallel.make_mesh("fsdp=2,tensor=4")
+  assert parallel.make_mesh(None) is None
+
+
+def test_partition_rules_shard_whole_units_and_replicate_the_rest(capsys):
+  mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 2, "tensor": 4})
+  spec = lambda name, shape, units=None: parallel.partition(
+      name, shape, parallel.param_axes(name, len(shape)), mesh, units)
+  assert spec("embed", (49152, 576)) == P("tensor", "fsdp")
+  assert spec("lm_head.weight", (49152, 576)) == P("tensor", "fsdp")
+  assert spec("layers.0.mlp.gate_up.weight", (3072, 576), (1536, None)) == P("tensor", "fsdp")
+  assert spec("layers.0.mlp.down.weight", (576, 1536)) == P("fsdp", "tensor")
+  # 8 kv heads split over 4, 3 kv heads cannot be (the default target): replicated over tensor
+  assert spec("layers.0.attn.qkv.weight", (1536, 576), (8, None)) == P("tensor", "fsdp")
+  assert spec("layers.3.attn.qkv.weight", (960, 576), (3, None)) == P(None, "fsdp")
+  assert spec("layers.7.attn.qkv.weight", (960, 576), (3, None)) == P(None, "fsdp")
+  assert parallel.param_axes("layers.0.input_norm.weight", 1) is None
+  # the batch over data where it divides
+  assert parallel.partition("x", (3, 5), ("batch", None), mesh) == P(None, None)
+  assert parallel.partition("x", (4, 5), ("batch", None), mesh) == P("data", None)
+  notes = capsys.readouterr().err
+  assert notes.count("layers.*.attn.qkv.weight: tensor=4 does not divide the 3 units") == 1
+
+
+def test_fused_rows_group_heads_and_pair_gate_with_up():
+  h, k, dh = 6, 2, 2
+  rows = qkv_rows(h, k, dh)
+  # kv head 0's group: query heads 0-2 (rows 0-5), key 0 (rows 12-13), value 0 (rows 16-17)
+  assert rows[:10].tolist() == [0, 1, 2, 3, 4, 5, 12, 13, 16, 17]
+  stacked = np.arange(len(rows) * 3).reshape(len(rows), 3)
+  assert (unfuse_rows(stacked[rows], rows) == stacked).all()
+  assert gate_up_rows(3).tolist() == [0, 3, 1, 4, 2, 5]
+
+
+def test_params_saved_with_stacked_rows_load_into_the_fused_order(tiny, tmp_path):
+  head = EagleHead(EagleHeadConfig(1, tiny().config), rngs=nnx.Rngs(3))
+  save_params(head, str(tmp_path))
+  path = str(tmp_path / "params.safetensors")
+  tensors = read_safetensors(str(tmp_path), [path])
+  attn, mlp = head.layer.attn, head.layer.mlp
+  tensors["layer.attn.qkv.weight"] = unfuse_rows(
+      tensors["layer.attn.qkv.weight"], qkv_rows(attn.num_heads, attn.num_kv_heads, attn.head_dim))
+  tensors["layer.mlp.gate_up.weight"] = unfuse_rows(
+      tensors["layer.mlp.gate_up.weight"], gate_up_rows(mlp.down.weight.shape[1]))
+  write_safetensors(tensors, path)  # no fused_rows metadata: q, k, v (gate, up) stacked
+  loaded = load_params(nnx.eval_shape(lambda: EagleHead(head.config, rngs=nnx.Rngs(0))), str(tmp_path))
+  for a, b in zip(nnx.to_flat_state(nnx.state(head)), nnx.to_flat_state(nnx.state(loaded))):
+    np.testing.assert_array_equal(np.asarray(a[1][...]), np.asarray(b[1][...]), err_msg=str(a[0]))
+
+
+_MESH_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from flax import nnx
+    sys.path.insert(0, "tests")
+    from test_eagle import PROMPTS, TREES, make_head
+    from eagle_jax import parallel
+    from eagle_jax.decoding import generate as gen_module
+    from eagle_jax.decoding.generate import generate
+    from eagle_jax.decoding.speculative import speculative_generate
+    from eagle_jax.drafters.eagle.drafter import EagleDrafter
+    from eagle_jax.model.config import tiny_config
+    from eagle_jax.model.transformer import Transformer, shard
+
+    def decode(mesh):
+      target = Transformer(tiny_config(), rngs=nnx.Rngs(0))
+      shard(target, mesh)
+      out = {}
+      with parallel.use_mesh(mesh):
+        out["vanilla"] = generate(target, PROMPTS, max_new_tokens=24).tokens
+      for version, tree in ((1, "static25"), (3, "dynamic")):
+        head = make_head(target.config, version, draft_vocab=96 if version == 3 else 0)
+        drafter, dparams = EagleDrafter.create(head, target, TREES[tree][0], **TREES[tree][1])
+        dparams = shard(dparams, mesh)
+        with parallel.use_mesh(mesh):
+          g = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=24)
+        out[f"eagle{version}"] = g.tokens
+      sizes = parallel.param_bytes(nnx.state(target, nnx.Param))
+      return out, sizes["per_device"] / sizes["total"]
+
+    single, _ = decode(None)
+    report = {}
+    for spec in ("fsdp=2,tensor=4", "data=2,fsdp=2,tensor=2"):
+      tokens, share = decode(parallel.make_mesh(spec))
+      report[spec] = {"equal": {k: tokens[k] == single[k] for k in single}, "share": share}
+    texts = [c.as_text() for key, c in gen_module._COMPILED.items() if key[-1] is not None]
+    report["programs"] = len(texts)
+    report["custom_calls"] = sum("eagle_jax_" in t for t in texts)
+    report["single_custom_calls"] = sum("eagle_jax_" in c.as_text()
+                                        for key, c in gen_module._COMPILED.items() if key[-1] is None)
+    print(json.dumps(report))
+    """)
+
+
+def test_decoding_over_a_mesh_of_8_devices_equals_one_device():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  for spec in ("fsdp=2,tensor=4", "data=2,fsdp=2,tensor=2"):
+    assert all(report[spec]["equal"].values()), (spec, report[spec])
+  # the tiny target's 2 kv heads stay whole over tensor=4, the rest splits 8 ways
+  assert report["fsdp=2,tensor=4"]["share"] < 0.3
+  assert report["data=2,fsdp=2,tensor=2"]["share"] < 0.3
+  # prefill and loop programs for each mesh, none calling a single-device CPU kernel
+  # (the same programs on one device do call them)
+  assert report["programs"] >= 6 and report["custom_calls"] == 0 and report["single_custom_calls"] > 0
