@@ -104,7 +104,7 @@ def _cmd_generate(args) -> None:
 def _cmd_bench_decode(args) -> None:
   result = bench_decode(model=args.model, num_prompts=args.num_prompts,
                         max_new_tokens=args.max_new_tokens, with_hf=not args.no_hf,
-                        repeats=args.repeats)
+                        repeats=args.repeats, mesh=args.mesh)
   print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -114,7 +114,7 @@ def _cmd_bench_spec(args) -> None:
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       options=_set_options(args), checkpoint=args.drafter_ckpt,
                       runs_dir=args.runs_dir or "runs", with_hf=not args.no_hf,
-                      repeats=args.repeats, budget=args.budget)
+                      repeats=args.repeats, budget=args.budget, mesh=args.mesh)
   print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -144,16 +144,24 @@ def _cmd_bench_draft_sizes(args) -> None:
   print(json.dumps(result, indent=None if args.json else 1))
 
 
+def _mesh_overrides(args) -> tuple[str, ...]:
+  """``--mesh`` as config overrides (``mesh.data=D`` ...), after the command line's own."""
+  spec = parallel.parse_mesh(args.mesh)
+  return tuple(args.overrides) + (() if spec is None else
+                                  tuple(f"mesh.{k}={v}" for k, v in spec.as_dict().items()))
+
+
 def _cmd_train(args) -> None:
-  print(json.dumps(run_training(args.config, args.overrides)))
+  print(json.dumps(run_training(args.config, _mesh_overrides(args))))
 
 
 def _cmd_run(args) -> None:
+  overrides = _mesh_overrides(args)
   if args.dry_run:
-    plan = dry_run(args.config, args.overrides)
+    plan = dry_run(args.config, overrides)
     print(json.dumps(plan, indent=1) if args.json else render_plan(plan))
     return
-  run_experiment(args.config, args.overrides)
+  run_experiment(args.config, overrides)
 
 
 def _cmd_table(args) -> None:
@@ -266,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
   bd.add_argument("--repeats", type=int, default=3,
                   help="interleaved timed runs per prompt (medians are reported)")
   bd.add_argument("--json", action="store_true", help="compact single-line JSON")
+  _add_mesh_arg(bd)
   bd.set_defaults(func=_cmd_bench_decode)
 
   bs = bsub.add_parser("spec", help="drafters vs vanilla: tau, n-alpha, speedup, verify cost")
@@ -280,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_drafter_args(bs)
   bs.add_argument("--no-hf", action="store_true", help="skip transformers' greedy / prompt lookup")
   bs.add_argument("--json", action="store_true", help="compact single-line JSON")
+  _add_mesh_arg(bs)
   bs.set_defaults(func=_cmd_bench_spec)
 
   bg = bsub.add_parser("regenerate", help="batched generation throughput, as data regenerate "
@@ -304,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
   t = sub.add_parser("train", help="extract target features and train a drafter (resumable)")
   t.add_argument("config", help="training config YAML, e.g. configs/train/eagle1-quick.yaml")
   t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-4")
+  _add_mesh_arg(t)
   t.set_defaults(func=_cmd_train)
 
   da = sub.add_parser("data", help="datasets for training")
@@ -322,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "checkpoints' config.json files against each other and print the plan; loads "
                  "no weights")
   r.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
+  _add_mesh_arg(r)
   r.set_defaults(func=_cmd_run)
 
   tb = sub.add_parser("table", help="paper-style table from experiment results folders")

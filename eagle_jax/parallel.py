@@ -82,11 +82,18 @@ UNITS = "shard_units"  # variable metadata: indivisible units per dimension (Non
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-  """Mesh axis sizes; their product is the number of devices."""
+  """Mesh axis sizes; their product is the number of devices. All ones (the default): no mesh,
+  JAX's default device. Configs hold one as ``mesh:`` (``mesh.fsdp=4`` overrides an axis)."""
 
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
+
+  def validate(self):
+    for axis in AXES:
+      size = getattr(self, axis)
+      if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise EagleJaxError(f"mesh axis {axis}={size!r}: the size must be a positive integer")
 
   @property
   def size(self) -> int:
@@ -121,7 +128,7 @@ def parse_mesh(value: str | Mapping | MeshSpec | None) -> MeshSpec | None:
     items = dict(value)
   else:
     raise EagleJaxError(f"mesh: expected axis=size pairs or a mapping, got {value!r}")
-  sizes = {}
+  sizes: dict[str, int] = {}
   for name, size in items.items():
     if name not in AXES:
       raise EagleJaxError(f"mesh axis {name!r} unknown: the axes are {', '.join(AXES)}")
@@ -131,14 +138,17 @@ def parse_mesh(value: str | Mapping | MeshSpec | None) -> MeshSpec | None:
       raise EagleJaxError(f"mesh axis {name}={size!r}: the size must be an integer") from None
     if sizes[name] < 1 or str(size).strip() != str(sizes[name]):
       raise EagleJaxError(f"mesh axis {name}={size!r}: the size must be a positive integer")
-  return MeshSpec(**sizes)
+  spec = MeshSpec(**sizes)
+  spec.validate()
+  return spec
 
 
 def make_mesh(spec: MeshSpec | str | Mapping | None, devices: Sequence | None = None) -> Mesh | None:
   """The :class:`jax.sharding.Mesh` of ``spec`` over ``devices`` (default: every device of
-  every process); None without a spec. The axis sizes' product must equal the device count."""
+  every process); None without a spec or for all axes of size 1 (JAX's default device, as
+  without a mesh). The axis sizes' product must equal the device count."""
   spec = parse_mesh(spec)
-  if spec is None:
+  if spec is None or spec.size == 1:
     return None
   devices = list(jax.devices() if devices is None else devices)
   if spec.size != len(devices):
@@ -236,7 +246,8 @@ def _key_name(entry) -> str:
   return str(entry)
 
 
-def _flat_name(path) -> str:
+def flat_name(path) -> str:
+  """A pytree key path as a dotted name (``layers.0.attn.qkv.weight``)."""
   return ".".join(_key_name(p) for p in path)
 
 
@@ -254,7 +265,7 @@ def place(tree: Any, mesh: Mesh | None) -> Any:
       value = var.get_value()
       if isinstance(value, jax.Array | np.ndarray):
         units = var.get_metadata().get(UNITS)
-        var.set_value(jax.device_put(value, param_sharding(_flat_name(path), value.shape, mesh, units)))
+        var.set_value(jax.device_put(value, param_sharding(flat_name(path), value.shape, mesh, units)))
     nnx.update(tree, state)
     return tree
   if isinstance(tree, nnx.State):
@@ -262,12 +273,12 @@ def place(tree: Any, mesh: Mesh | None) -> Any:
       value = var.get_value()
       if isinstance(value, jax.Array | np.ndarray):
         units = var.get_metadata().get(UNITS)
-        var.set_value(jax.device_put(value, param_sharding(_flat_name(path), value.shape, mesh, units)))
+        var.set_value(jax.device_put(value, param_sharding(flat_name(path), value.shape, mesh, units)))
     return tree
 
   def put(path, x):
     if isinstance(x, jax.Array | np.ndarray):
-      return jax.device_put(x, param_sharding(_flat_name(path), x.shape, mesh))
+      return jax.device_put(x, param_sharding(flat_name(path), x.shape, mesh))
     return x
 
   return jax.tree_util.tree_map_with_path(
@@ -301,15 +312,19 @@ def constrain(x: jax.Array, logical: Sequence[str | None], name: str = "activati
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition(name, x.shape, logical, mesh)))
 
 
-def shard_batch(x, mesh: Mesh | None = None):
-  """A host batch ``[B, ...]`` placed with its rows over ``data`` (replicated where ``data``
-  does not divide ``B``); unchanged without a mesh."""
+def batch_sharding(shape: Sequence[int], mesh: Mesh | None = None) -> NamedSharding | None:
+  """The layout of a batch ``[B, ...]``: rows over ``data`` (replicated where ``data`` does not
+  divide ``B``); None without a mesh (``mesh`` or the current one)."""
   mesh = mesh or _MESH.value
   if mesh is None:
-    return x
-  x = np.asarray(x) if not isinstance(x, jax.Array) else x
-  spec = partition("batch", x.shape, ("batch",) + (None,) * (x.ndim - 1), mesh)
-  return jax.device_put(x, NamedSharding(mesh, spec))
+    return None
+  return NamedSharding(mesh, partition("batch", shape, ("batch",) + (None,) * (len(shape) - 1), mesh))
+
+
+def shard_batch(x, mesh: Mesh | None = None):
+  """A host batch ``[B, ...]`` placed by :func:`batch_sharding`; unchanged without a mesh."""
+  sharding = batch_sharding(np.shape(x), mesh)
+  return x if sharding is None else jax.device_put(x, sharding)
 
 
 def param_bytes(tree: Any) -> dict[str, int]:

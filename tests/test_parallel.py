@@ -140,3 +140,71 @@ def test_decoding_over_a_mesh_of_8_devices_equals_one_device():
   # prefill and loop programs for each mesh, none calling a single-device CPU kernel
   # (the same programs on one device do call them)
   assert report["programs"] >= 6 and report["custom_calls"] == 0 and report["single_custom_calls"] > 0
+
+
+_TRAIN_SCRIPT = textwrap.dedent("""
+    import json, os, shutil, sys
+    import numpy as np
+    from flax import nnx
+    sys.path.insert(0, "tests")
+    import tiny_training as tt
+    from eagle_jax import parallel
+    from eagle_jax.training.features import FeatureShards
+    from eagle_jax.training.trainer import OptimConfig, read_metrics, train
+
+    root = sys.argv[1]
+    tt.make_features(os.path.join(root, "features"))
+    data = FeatureShards(os.path.join(root, "features"))
+    meshes = {"1": None, "8": parallel.make_mesh("data=2,fsdp=4")}
+
+    def run(name, mesh):
+      return train(tt.task(3), data, data, os.path.join(root, name), tt.LOOP,
+                   OptimConfig(lr=1e-2, warmup_steps=2), progress=False, mesh=meshes[mesh])
+
+    def params(result):
+      return {".".join(map(str, p)): np.asarray(v.get_value())
+              for p, v in nnx.to_flat_state(nnx.state(result.module, nnx.Param))}
+
+    def cut(name):
+      # the latest checkpoint gone: the next run resumes from the one before it
+      ckpts = os.path.join(root, name, "checkpoints")
+      steps = sorted(int(s) for s in os.listdir(ckpts) if s.isdigit())
+      shutil.rmtree(os.path.join(ckpts, str(steps[-1])))
+      return steps[-2]
+
+    report = {}
+    whole = {m: run("whole" + m, m) for m in meshes}
+    losses = {m: [r["loss"] for r in read_metrics(os.path.join(root, "whole" + m))] for m in meshes}
+    report["steps"] = len(losses["1"])
+    report["loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(losses["1"], losses["8"]))
+    qkv = whole["8"].module.attn.qkv.weight.get_value()
+    report["sharded"] = str(qkv.sharding.spec)
+    for first, then in (("8", "8"), ("8", "1"), ("1", "8")):
+      name = f"resume{first}to{then}"
+      shutil.copytree(os.path.join(root, "whole" + first), os.path.join(root, name))
+      at = cut(name)
+      resumed = run(name, then)
+      diff = max(float(np.max(np.abs(a - b))) for a, b in
+                 zip(params(resumed).values(), params(whole[then]).values()))
+      report[name] = {"resumed_from": resumed.resumed_from, "cut_at": at, "max_abs_diff": diff}
+    print(json.dumps(report))
+    """)
+
+
+def test_training_over_a_mesh_matches_one_device_and_resumes_across_meshes(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", _TRAIN_SCRIPT, str(tmp_path)], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  # data=2 x fsdp=4: the same losses at every logged step as one device
+  assert report["steps"] > 10 and report["loss_rel_diff"] < 1e-3, report
+  assert "fsdp" in report["sharded"], report
+  # a killed run resumes bit-exact on its own mesh, and onto another mesh (8 -> 1, 1 -> 8) it
+  # ends where an uninterrupted run on that mesh ends
+  assert report["resume8to8"]["resumed_from"] == report["resume8to8"]["cut_at"]
+  assert report["resume8to8"]["max_abs_diff"] == 0.0, report
+  for name in ("resume8to1", "resume1to8"):
+    assert report[name]["resumed_from"] == report[name]["cut_at"], report
+    assert report[name]["max_abs_diff"] < 1e-4, report

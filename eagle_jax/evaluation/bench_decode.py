@@ -28,7 +28,8 @@ from eagle_jax.decoding.generate import generate
 from eagle_jax.evaluation.prompts import load_mtbench
 from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.registry import load_model
-from eagle_jax.model.transformer import WeightBlocks
+from eagle_jax.model.transformer import WeightBlocks, shard
+from eagle_jax.parallel import MeshSpec, make_mesh, spec_of, use_mesh
 
 
 def read_bandwidth_probe(nbytes: int = 256 * 2**20, repeats: int = 20) -> Callable[[], dict[str, float]]:
@@ -120,8 +121,17 @@ def _hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
 
 
 def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
-                 with_hf: bool = True, repeats: int = 3) -> dict:
+                 with_hf: bool = True, repeats: int = 3, mesh=None) -> dict:
+  """``mesh``: the target laid out over this device mesh (:func:`eagle_jax.parallel.make_mesh`
+  of it; None: one device)."""
+  mesh = make_mesh(mesh)
   lm = load_model(model)
+  shard(lm.model, mesh)
+  with use_mesh(mesh):
+    return _bench_decode(lm, model, num_prompts, max_new_tokens, with_hf, repeats, mesh)
+
+
+def _bench_decode(lm, model, num_prompts, max_new_tokens, with_hf, repeats, mesh) -> dict:
   questions = load_mtbench()[:num_prompts]
   prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]
   ours, step_ms, tokens, readings, inside_ms = [], [], [], [], []
@@ -180,6 +190,7 @@ def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
     })
   result["settings"] = {
       "model": model, "batch": 1, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+      "mesh": str(spec_of(mesh) or MeshSpec()),
       "prompt_tokens": [len(p) for p in prompts], "dtype": str(lm.model.embed.dtype),
       "weights_read": weights_read(lm.model),
       "decoding": "greedy, EOS ignored", "jax_version": jax.__version__,

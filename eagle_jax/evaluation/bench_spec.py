@@ -27,6 +27,7 @@ from eagle_jax.drafters.kinds import flag_for
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation.prompts import load_mtbench, pick_questions
 from eagle_jax.evaluation.runner import EvalConfig, ExperimentConfig, MethodConfig, run_config
+from eagle_jax.parallel import MeshSpec, parse_mesh
 from eagle_jax.model.registry import load_model
 
 GRID = (1, 2, 4, 8, 16, 26, 32, 64)  # verify-cost sizes always printed
@@ -83,7 +84,7 @@ def _reads(kind: str) -> set[str]:
 def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"), num_prompts: int = 16,
                max_new_tokens: int = 128, temperature: float = 0.0, options: dict | None = None,
                checkpoint: str | None = None, runs_dir: str = "runs", with_hf: bool = True,
-               repeats: int = 2, progress: bool = False, budget: str = "tuned") -> dict:
+               repeats: int = 2, progress: bool = False, budget: str = "tuned", mesh=None) -> dict:
   specs = list(dict.fromkeys(methods))
   by_spec = methods_for(specs, options or {}, checkpoint, budget)
   ev = EvalConfig(prompts="mtbench", num_questions=num_prompts, turns=(1,),
@@ -91,7 +92,8 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
                   stop_at_eos=False, repeats=max(repeats, 1), interleave=True)
   with tempfile.TemporaryDirectory(prefix="bench-spec-") as scratch:
     cfg = ExperimentConfig(name="bench-spec", methods=tuple(by_spec.values()), model=model,
-                           runs_dir=runs_dir, results_dir=scratch, eval=ev)
+                           runs_dir=runs_dir, results_dir=scratch, eval=ev,
+                           mesh=parse_mesh(mesh) or MeshSpec())
     summary, units, costs = run_config(cfg, progress=progress, curve_sizes=GRID)
   t = f"T{temperature}"
   results = {}

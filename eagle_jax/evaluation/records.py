@@ -63,6 +63,9 @@ def unit(out, cfg, method, temperature, checkpoint, prompts_key, stem=None):
   key = {"model": cfg.model, "method": meth, "checkpoint": checkpoint_key(checkpoint),
          "temperature": temperature, "eval": ev, "prompts": prompts_key,
          "machine": machine()}
+  mesh = to_dict(getattr(cfg, "mesh", None))
+  if mesh and any(v != 1 for v in mesh.values()):  # one device: records made before meshes stay valid
+    key["mesh"] = mesh
   if stem:  # not a method's records (notebooks read records/<method>-T<temperature>.jsonl)
     return os.path.join(out, f"{stem}.jsonl"), key
   return os.path.join(out, "records", f"{method.name}-T{temperature}.jsonl"), key

@@ -47,6 +47,8 @@ from eagle_jax.evaluation import records as store
 from eagle_jax.evaluation.prompts import load_jsonl_prompts, load_mtbench, pick_questions
 from eagle_jax.evaluation.tables import render_markdown, summarize
 from eagle_jax.model.registry import DEFAULT_MODEL, REGISTRY, load_model, model_slug
+from eagle_jax.model.transformer import shard
+from eagle_jax.parallel import MeshSpec, make_mesh, use_mesh
 from eagle_jax.pipeline import train as pipeline
 
 
@@ -155,6 +157,8 @@ class ExperimentConfig:
   # ("vicuna") or a Jinja file, for targets whose tokenizer has none
   chat_template: str = ""
   eval: EvalConfig = EvalConfig()
+  # devices the target and drafters are laid out over (eagle_jax.parallel); all ones: one device
+  mesh: MeshSpec = MeshSpec()
 
   def validate(self):
     names = [m.name for m in self.methods]
@@ -313,11 +317,21 @@ def run_config(cfg: ExperimentConfig, *, progress: bool = True, where: str = "",
   os.makedirs(out, exist_ok=True)
   dump_config(cfg, os.path.join(out, "config.yaml"))
   questions = questions_for(cfg.eval)  # a bad prompt file or category fails before any training
+  mesh = make_mesh(cfg.mesh)  # so does a mesh that does not fit the devices
   lm = load_model(cfg.model)
   if cfg.chat_template:
     lm.tokenizer.use_chat_template(cfg.chat_template)
   checkpoints = {m.name: ensure_checkpoint(m, cfg, progress) if m.kind in registry.TRAINED else None
-                 for m in cfg.methods}
+                 for m in cfg.methods}  # trained by their own configs (and meshes)
+  shard(lm.model, mesh)
+  with use_mesh(mesh):
+    return _evaluate(cfg, lm, mesh, questions, checkpoints, out, progress, where, curve_sizes)
+
+
+def _evaluate(cfg: ExperimentConfig, lm, mesh, questions, checkpoints: dict, out: str,
+              progress: bool, where: str, curve_sizes) -> tuple[dict, dict, dict]:
+  """:func:`run_config` once the target is loaded (and laid out over ``mesh``) and the
+  drafters are trained."""
   qkey = store.prompts_key(questions)
   first_answers = None
   if 2 in cfg.eval.turns:  # the target's own greedy first answers
@@ -347,7 +361,8 @@ def run_config(cfg: ExperimentConfig, *, progress: bool = True, where: str = "",
     todo = [m for m in cfg.methods if cached[m.name] is None]
     for m in todo:
       if m.name not in drafters:
-        drafters[m.name] = drafter_for(m, lm.model, cfg, checkpoints[m.name])
+        drafter, dparams = drafter_for(m, lm.model, cfg, checkpoints[m.name])
+        drafters[m.name] = (drafter, shard(dparams, mesh))
         store.measure_costs(costs, m.name, lm.model, *drafters[m.name], prompts[0]["tokens"],
                             sizes=curve_sizes)
         store.write_atomic(costs_path, json.dumps(costs, indent=1))

@@ -38,6 +38,8 @@ from eagle_jax.training.settings import (
 )
 from eagle_jax.training.sharegpt import encode_conversation, load_sharegpt, split_heldout
 from eagle_jax.training.trainer import LoopConfig, OptimConfig, train
+from eagle_jax.model.transformer import shard
+from eagle_jax.parallel import MeshSpec, make_mesh, use_mesh
 
 DEFAULT_RUNS_DIR = "runs"
 # each trainable kind's config section, in registry order (kinds may share one)
@@ -60,7 +62,9 @@ TrainConfig = dataclasses.make_dataclass(
      ("features", FeatureConfig, FeatureConfig())]
     + [(name, config, config()) for name, config in SECTIONS.items()]
     + [("optim", OptimConfig, OptimConfig()), ("loop", LoopConfig, LoopConfig()),
-       ("tune", TuneConfig, TuneConfig()), ("decode_eval", DecodeEvalConfig, DecodeEvalConfig())],
+       ("tune", TuneConfig, TuneConfig()), ("decode_eval", DecodeEvalConfig, DecodeEvalConfig()),
+       # devices for feature extraction and training (eagle_jax.parallel); all ones: one device
+       ("mesh", MeshSpec, MeshSpec())],
     frozen=True, namespace={"validate": _validate, "__module__": __name__,
                             "__doc__": "A training config: the run, its target, the drafter kind, "
                                        "the shared sections and one section per trainable kind."})
@@ -183,12 +187,19 @@ def run_finished(cfg: TrainConfig) -> bool:
 
 def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   cfg = load_config(TrainConfig, config_path, overrides)
+  mesh = make_mesh(cfg.mesh)  # a mesh that does not fit the devices fails before any work
   trainable = registry.get(cfg.drafter).trainable
   run_dir = os.path.join(cfg.runs_dir, cfg.name)
   os.makedirs(run_dir, exist_ok=True)
   check_same_run(cfg, run_dir)
   dump_config(cfg, os.path.join(run_dir, "config.yaml"))
   lm = load_model(cfg.model)
+  shard(lm.model, mesh)  # extraction, training, held-out decoding and tuning on the mesh
+  with use_mesh(mesh):
+    return _run_training(cfg, trainable, run_dir, lm, mesh, progress)
+
+
+def _run_training(cfg, trainable, run_dir: str, lm, mesh, progress: bool) -> dict:
   t0 = time.perf_counter()
   dirs = feature_caches(cfg, lm, progress=progress)
   feat_s = time.perf_counter() - t0
@@ -198,7 +209,7 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   counts = reply_token_counts(data, lm.config.vocab_size) if trainable.token_counts else None
   task = trainable.task(cfg, lm, data, counts)
   result = train(task, data, held, run_dir, cfg.loop, cfg.optim, progress=progress,
-                 eval_hook=decode_eval_hook(cfg, lm))
+                 eval_hook=decode_eval_hook(cfg, lm), mesh=mesh)
   final = os.path.join(run_dir, "final")
   registry.export_drafter(cfg.drafter, result.module, final, {
       "model": cfg.model,

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from eagle_jax import parallel
 from eagle_jax.errors import EagleJaxError
 
 ARRAYS = ("tokens", "positions", "segments", "loss_mask", "target_argmax", "hidden", "layers")
@@ -215,7 +216,9 @@ def _extract_locked(model, encoded, root, spec, max_rows, progress) -> dict:
   start = manifest["shards"][-1]["next_example"] if manifest["shards"] else 0
   budget = None if max_rows is None else max_rows - total_rows
   graphdef, state = nnx.split(model)
-  shape = jax.ShapeDtypeStruct((spec.batch_rows, spec.row_len), jnp.int32)
+  # rows over the current mesh's data axis, if any (eagle_jax.parallel)
+  rows_shape = (spec.batch_rows, spec.row_len)
+  shape = jax.ShapeDtypeStruct(rows_shape, jnp.int32, sharding=parallel.batch_sharding(rows_shape))
   fwd = _forward_fn(graphdef, spec.layers).lower(state, shape, shape, shape).compile()  # not timed
   bar = tqdm(total=max_rows, initial=total_rows, unit="row", disable=not progress,
              desc="features")
@@ -232,7 +235,8 @@ def _extract_locked(model, encoded, root, spec, max_rows, progress) -> dict:
       sl = {k: v[i:i + spec.batch_rows] for k, v in batch.items()}
       n = len(sl["tokens"])
       pad = spec.batch_rows - n  # keep one compiled shape
-      args = [np.pad(sl[k], ((0, pad), (0, 0))) for k in ("tokens", "positions", "segments")]
+      args = [parallel.shard_batch(np.pad(sl[k], ((0, pad), (0, 0))))
+              for k in ("tokens", "positions", "segments")]
       t0 = time.perf_counter()
       am, hid, lay = jax.block_until_ready(fwd(state, *args))
       rate.add(time.perf_counter() - t0, matmul_flops_per_s())

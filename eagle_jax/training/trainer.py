@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
+from eagle_jax import parallel
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.training.features import FeatureShards
 
@@ -143,17 +144,52 @@ def batch_rows_at(step: int, num_rows: int, batch: int, seed: int) -> np.ndarray
   return np.sort(order[i * batch:(i + 1) * batch])
 
 
-def _to_device(rows: dict) -> dict:
-  return {k: jnp.asarray(v.astype(np.float32) if v.dtype.kind == "V" or v.dtype.name == "bfloat16"
-                         else v) for k, v in rows.items()}
+def _to_device(rows: dict, mesh=None) -> dict:
+  """Feature-cache rows as device arrays (bfloat16 widened), rows over the mesh's ``data`` axis."""
+  return {k: parallel.shard_batch(jnp.asarray(v.astype(np.float32) if v.dtype.kind == "V" or
+                                              v.dtype.name == "bfloat16" else v), mesh)
+          for k, v in rows.items()}
+
+
+def _like_params(tree, params):
+  """``tree`` (an optimizer state) with each array laid out as the parameter it mirrors (the
+  one whose flat name ends its own), other arrays replicated."""
+  by_name = {".".join(str(p) for p in path): v.get_value().sharding
+             for path, v in nnx.to_flat_state(params)}
+
+  def put(path, x):
+    if not isinstance(x, jax.Array):
+      return x
+    name = parallel.flat_name(path).removesuffix(".value")
+    match = next((sh for n, sh in by_name.items() if name == n or name.endswith("." + n)), None)
+    if match is None or getattr(match, "mesh", None) is None:
+      match = jax.sharding.NamedSharding(mesh_of(params), jax.sharding.PartitionSpec())
+    return jax.device_put(x, match)
+
+  return jax.tree_util.tree_map_with_path(put, tree)
+
+
+def mesh_of(params):
+  return next(v.get_value().sharding.mesh for _, v in nnx.to_flat_state(params))
 
 
 def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_dir: str,
           loop: LoopConfig = LoopConfig(), optim: OptimConfig = OptimConfig(), *,
           progress: bool = True, extra_meta: dict | None = None,
-          eval_hook: Callable[[nnx.Module], dict] | None = None) -> TrainResult:
+          eval_hook: Callable[[nnx.Module], dict] | None = None, mesh=None) -> TrainResult:
   """Trains ``task`` on ``data``; ``eval_hook(module)`` adds metrics at each evaluation (e.g.
-  acceptance measured by decoding held-out prompts)."""
+  acceptance measured by decoding held-out prompts).
+
+  ``mesh`` (a :class:`jax.sharding.Mesh`, None: one device): each batch's rows are split over
+  its ``data`` axis, the parameters and the optimizer state laid out by the partition rules
+  (:mod:`eagle_jax.parallel`: FSDP over ``fsdp``, heads and hidden units over ``tensor``), the
+  frozen target arrays likewise; checkpoints are saved sharded and restore onto whatever mesh
+  the resumed run has."""
+  with parallel.use_mesh(mesh):
+    return _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval_hook, mesh)
+
+
+def _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval_hook, mesh):
   if data.num_rows < loop.batch_rows:
     raise EagleJaxError(f"{data.root}: {data.num_rows} rows, fewer than batch_rows={loop.batch_rows}")
   if heldout is not None and 0 < min(loop.eval_rows, heldout.num_rows) < loop.batch_rows:
@@ -166,9 +202,12 @@ def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_di
   module = task.init_module(nnx.Rngs(loop.seed))
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
   tx = make_optimizer(optim, total)
-  opt_state = tx.init(params)
-
   frozen = task.frozen
+  if mesh is not None:
+    params, rest, frozen = parallel.place(params, mesh), parallel.place(rest, mesh), parallel.place(frozen, mesh)
+    opt_state = _like_params(tx.init(params), params)
+  else:
+    opt_state = tx.init(params)
 
   def loss_fn(params, rest, frozen, batch, key, train):
     return task.loss(nnx.merge(graphdef, params, rest), frozen, batch, key, train)
@@ -216,7 +255,8 @@ def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_di
     sums: dict[str, float] = {}
     batches = 0
     for i in range(0, n - loop.batch_rows + 1, loop.batch_rows):
-      m = eval_step(params, rest, frozen, _to_device(heldout.rows(range(i, i + loop.batch_rows), task.keys)))
+      m = eval_step(params, rest, frozen,
+                    _to_device(heldout.rows(range(i, i + loop.batch_rows), task.keys), mesh))
       for k, v in m.items():
         sums[k] = sums.get(k, 0.0) + float(v)
       batches += 1
@@ -235,7 +275,7 @@ def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_di
   with open(metrics_path, "a") as log:
     while step < total:
       rows = batch_rows_at(step, data.num_rows, loop.batch_rows, loop.seed)
-      batch = _to_device(data.rows(rows, task.keys))
+      batch = _to_device(data.rows(rows, task.keys), mesh)
       t0 = time.perf_counter()
       params, opt_state, m = train_step(params, opt_state, rest, frozen, batch,
                                         jax.random.fold_in(base_key, step))
