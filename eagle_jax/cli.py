@@ -26,6 +26,7 @@ from eagle_jax.evaluation.bench_regenerate import bench_regenerate
 from eagle_jax.evaluation.bench_spec import bench_spec
 from eagle_jax.evaluation.demo import run_demo
 from eagle_jax.evaluation.dryrun import dry_run, render_plan
+from eagle_jax.evaluation.lower import lower_programs
 from eagle_jax.evaluation.runner import run_experiment
 from eagle_jax.evaluation.tables import render
 from eagle_jax.model.registry import DEFAULT_MODEL, enable_compilation_cache, load_model
@@ -162,6 +163,16 @@ def _cmd_run(args) -> None:
     print(json.dumps(plan, indent=1) if args.json else render_plan(plan))
     return
   run_experiment(args.config, overrides)
+
+
+def _cmd_lower(args) -> None:
+  platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
+  result = lower_programs(model=args.model, platforms=platforms, drafter=args.drafter,
+                          mesh=args.mesh, dtype=args.dtype, budget=args.budget,
+                          batch=args.batch, runs_dir=args.runs_dir or "runs")
+  print(json.dumps(result, indent=None if args.json else 1))
+  if not result["ok"]:
+    sys.exit(1)
 
 
 def _cmd_table(args) -> None:
@@ -325,6 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
                   "configs/data/sharegpt-target-greedy.yaml")
   dr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. batch_size=32")
   dr.set_defaults(func=_cmd_data_regenerate)
+
+  lo = sub.add_parser("lower", help="lower prefill, decode, speculative loop and a training step "
+                      "for GPUs/TPUs without them (JSON: ok or the error per program and platform)")
+  lo.add_argument("--platforms", default="cuda,rocm,tpu", help="comma-separated: cuda, rocm, tpu")
+  lo.add_argument("--model", default=DEFAULT_MODEL)
+  lo.add_argument("--drafter", default="eagle2", choices=registry.NAMES)
+  lo.add_argument("--budget", choices=BUDGETS, default="tuned")
+  lo.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                  help="the target's parameters (default: the checkpoint's)")
+  lo.add_argument("--batch", type=int, default=1, help="decoding rows")
+  lo.add_argument("--runs-dir", default=None, help="where trained drafters are found (default: runs)")
+  lo.add_argument("--json", action="store_true", help="compact single-line JSON")
+  _add_mesh_arg(lo)
+  lo.set_defaults(func=_cmd_lower)
 
   r = sub.add_parser("run", help="run an experiment: train missing drafters, evaluate, tabulate")
   r.add_argument("config", help="experiment config YAML, e.g. configs/quickstart.yaml")

@@ -313,3 +313,14 @@ def test_gguf_rope_scaling_metadata(tmp_path):
   assert config_of("none").rope_scaling.rope_type == "default"
   with pytest.raises(EagleJaxError, match="unsupported GGUF rope scaling 'yarn'"):
     config_of("yarn")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--mesh", "fsdp=2,tensor=4", "hi"], "spans 8 devices, but JAX sees 1"),
+    (["generate", "--mesh", "pipeline=2", "hi"], "mesh axis 'pipeline' unknown"),
+    (["train", "configs/train/eagle3-demo.yaml", "mesh.data=0"], "mesh axis data=0"),
+    (["run", "configs/quickstart.yaml", "--mesh", "data=2"], "spans 2 devices"),
+    (["lower", "--platforms", "cuda,metal"], "--platforms cuda,metal"),
+])
+def test_bad_meshes_and_platforms(capsys, argv, expected):
+  assert expected in _run_error(capsys, argv)

@@ -316,8 +316,8 @@ def run_config(cfg: ExperimentConfig, *, progress: bool = True, where: str = "",
   out = os.path.join(cfg.results_dir, cfg.name)
   os.makedirs(out, exist_ok=True)
   dump_config(cfg, os.path.join(out, "config.yaml"))
-  questions = questions_for(cfg.eval)  # a bad prompt file or category fails before any training
-  mesh = make_mesh(cfg.mesh)  # so does a mesh that does not fit the devices
+  mesh = make_mesh(cfg.mesh)  # a mesh that does not fit the devices fails before any work
+  questions = questions_for(cfg.eval)  # so does a bad prompt file or category
   lm = load_model(cfg.model)
   if cfg.chat_template:
     lm.tokenizer.use_chat_template(cfg.chat_template)

@@ -87,6 +87,20 @@ def pack_shard(encoded: Sequence[tuple[np.ndarray, np.ndarray]], start: int, row
   return [_row(parts, row_len) for parts in rows], None
 
 
+def batch_arrays(keys, rows: int, row_len: int, hidden_size: int, num_layers: int) -> dict:
+  """A zero batch of ``rows`` feature-cache rows with the arrays ``keys`` names, in the shapes
+  and dtypes the trainer hands a task (bfloat16 features widened to float32): for lowering a
+  training step without a cache."""
+  shapes = {"tokens": ((), np.int32), "positions": ((), np.int32), "segments": ((), np.int32),
+            "loss_mask": ((), bool), "target_argmax": ((), np.int32),
+            "hidden": ((hidden_size,), np.float32),
+            "layers": ((num_layers, hidden_size), np.float32)}
+  unknown = [k for k in keys if k not in shapes]
+  if unknown:
+    raise EagleJaxError(f"no feature-cache array named {unknown[0]!r}")
+  return {k: np.zeros((rows, row_len) + shapes[k][0], shapes[k][1]) for k in keys}
+
+
 def _row(parts, row_len):
   tokens = np.zeros(row_len, np.int32)
   positions = np.zeros(row_len, np.int32)

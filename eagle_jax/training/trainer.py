@@ -151,9 +151,12 @@ def _to_device(rows: dict, mesh=None) -> dict:
           for k, v in rows.items()}
 
 
-def _like_params(tree, params):
+def place_optimizer_state(tree, params, mesh):
   """``tree`` (an optimizer state) with each array laid out as the parameter it mirrors (the
-  one whose flat name ends its own), other arrays replicated."""
+  one whose flat name ends its own), other arrays replicated over ``mesh``; unchanged without a
+  mesh."""
+  if mesh is None:
+    return tree
   by_name = {".".join(str(p) for p in path): v.get_value().sharding
              for path, v in nnx.to_flat_state(params)}
 
@@ -163,14 +166,34 @@ def _like_params(tree, params):
     name = parallel.flat_name(path).removesuffix(".value")
     match = next((sh for n, sh in by_name.items() if name == n or name.endswith("." + n)), None)
     if match is None or getattr(match, "mesh", None) is None:
-      match = jax.sharding.NamedSharding(mesh_of(params), jax.sharding.PartitionSpec())
+      match = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.device_put(x, match)
 
   return jax.tree_util.tree_map_with_path(put, tree)
 
 
-def mesh_of(params):
-  return next(v.get_value().sharding.mesh for _, v in nnx.to_flat_state(params))
+def make_steps(task: Task, graphdef, tx: optax.GradientTransformation):
+  """The jitted ``train_step(params, opt_state, rest, frozen, batch, key) -> (params, opt_state,
+  metrics)`` and ``eval_step(params, rest, frozen, batch) -> metrics`` of ``task`` (its module
+  split as ``nnx.split(module, nnx.Param, ...)`` gave ``graphdef``)."""
+
+  def loss_fn(params, rest, frozen, batch, key, train):
+    return task.loss(nnx.merge(graphdef, params, rest), frozen, batch, key, train)
+
+  @jax.jit
+  def train_step(params, opt_state, rest, frozen, batch, key):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, rest, frozen, batch, key, True)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, dict(metrics, loss=loss,
+                                                                 grad_norm=optax.global_norm(grads))
+
+  @jax.jit
+  def eval_step(params, rest, frozen, batch):
+    loss, metrics = loss_fn(params, rest, frozen, batch, jax.random.key(0), False)
+    return dict(metrics, loss=loss)
+
+  return train_step, eval_step
 
 
 def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_dir: str,
@@ -205,25 +228,8 @@ def _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval
   frozen = task.frozen
   if mesh is not None:
     params, rest, frozen = parallel.place(params, mesh), parallel.place(rest, mesh), parallel.place(frozen, mesh)
-    opt_state = _like_params(tx.init(params), params)
-  else:
-    opt_state = tx.init(params)
-
-  def loss_fn(params, rest, frozen, batch, key, train):
-    return task.loss(nnx.merge(graphdef, params, rest), frozen, batch, key, train)
-
-  @jax.jit
-  def train_step(params, opt_state, rest, frozen, batch, key):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, rest, frozen, batch, key, True)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, dict(metrics, loss=loss,
-                                                                 grad_norm=optax.global_norm(grads))
-
-  @jax.jit
-  def eval_step(params, rest, frozen, batch):
-    loss, metrics = loss_fn(params, rest, frozen, batch, jax.random.key(0), False)
-    return dict(metrics, loss=loss)
+  opt_state = place_optimizer_state(tx.init(params), params, mesh)
+  train_step, eval_step = make_steps(task, graphdef, tx)
 
   os.makedirs(run_dir, exist_ok=True)
   mngr = ocp.CheckpointManager(
