@@ -105,7 +105,7 @@ def _cmd_generate(args) -> None:
 def _cmd_bench_decode(args) -> None:
   result = bench_decode(model=args.model, num_prompts=args.num_prompts,
                         max_new_tokens=args.max_new_tokens, with_hf=not args.no_hf,
-                        repeats=args.repeats, mesh=args.mesh)
+                        repeats=args.repeats, mesh=args.mesh, dtype=args.dtype)
   print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -115,7 +115,8 @@ def _cmd_bench_spec(args) -> None:
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       options=_set_options(args), checkpoint=args.drafter_ckpt,
                       runs_dir=args.runs_dir or "runs", with_hf=not args.no_hf,
-                      repeats=args.repeats, budget=args.budget, mesh=args.mesh)
+                      repeats=args.repeats, budget=args.budget, mesh=args.mesh,
+                      dtype=args.dtype)
   print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -148,8 +149,9 @@ def _cmd_bench_draft_sizes(args) -> None:
 def _mesh_overrides(args) -> tuple[str, ...]:
   """``--mesh`` as config overrides (``mesh.data=D`` ...), after the command line's own."""
   spec = parallel.parse_mesh(args.mesh)
-  return tuple(args.overrides) + (() if spec is None else
-                                  tuple(f"mesh.{k}={v}" for k, v in spec.as_dict().items()))
+  extra = () if args.dtype is None else (f"dtype={args.dtype}",)
+  return tuple(args.overrides) + extra + (() if spec is None else
+                                          tuple(f"mesh.{k}={v}" for k, v in spec.as_dict().items()))
 
 
 def _cmd_train(args) -> None:
@@ -207,16 +209,24 @@ def _cmd_demo(args) -> None:
   run_demo(model=args.model, num_questions=args.num_questions, max_new_tokens=args.max_new_tokens)
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _mesh_json(mesh) -> dict:
   """The mesh as JSON: axis sizes and device count (one device without a mesh)."""
   spec = parallel.spec_of(mesh)
   return {**(spec or parallel.MeshSpec()).as_dict(), "devices": 1 if mesh is None else mesh.size}
 
 
-def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
+def _add_mesh_arg(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+  """``--mesh`` and (``dtype``) ``--dtype``, the target's layout and precision."""
   p.add_argument("--mesh", default=None,
                  help="device mesh data=D,fsdp=F,tensor=T (axes of size 1 may be left out; the "
                  "product must equal the device count; default: one device, no mesh)")
+  if dtype:
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="the target's parameters and activations (default: the checkpoint's own; "
+                   "GGUF conversions are float32); logits, sampling and verify stay float32")
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -269,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the target's parameters (default: a Hugging Face folder's own dtype; "
                  "GGUF conversions are float32)")
   g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  _add_mesh_arg(g)
+  _add_mesh_arg(g, dtype=False)
   g.add_argument("--drafter", default="vanilla", choices=registry.NAMES,
                  help="speculative drafter (vanilla = plain decoding)")
   _add_drafter_args(g)
@@ -348,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
   lo.add_argument("--batch", type=int, default=1, help="decoding rows")
   lo.add_argument("--runs-dir", default=None, help="where trained drafters are found (default: runs)")
   lo.add_argument("--json", action="store_true", help="compact single-line JSON")
-  _add_mesh_arg(lo)
+  _add_mesh_arg(lo, dtype=False)
   lo.set_defaults(func=_cmd_lower)
 
   r = sub.add_parser("run", help="run an experiment: train missing drafters, evaluate, tabulate")

@@ -11,6 +11,8 @@ from eagle_jax.drafters.eagle.drafter import EagleDrafter
 from eagle_jax.drafters.eagle.head import EagleHead, EagleHeadConfig, Frozen
 from eagle_jax.drafters.eagle.train import unroll
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.model.config import tiny_config
+from eagle_jax.model.transformer import Transformer
 from eagle_jax.decoding.generate import generate
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.speculative import features_of, speculative_generate
@@ -285,3 +287,15 @@ def test_budget_tuner_times_each_drafter_once(tiny, monkeypatch):
   by = result["by_setting"]
   assert by["top_k=2,depth=2"]["draft_ms_by_budget"][1] == by["top_k=2,depth=3"]["draft_ms_by_budget"][1]
   assert set(by["top_k=2,depth=3"]["draft_ms_by_budget"]) == {1, 2}
+
+
+@pytest.mark.parametrize("tree", ["static25", "dynamic"])
+def test_greedy_equals_vanilla_with_a_bfloat16_target(tree):
+  # parameters and activations in bfloat16, logits and the verify step in float32: the output
+  # is still exactly vanilla's in the same dtype
+  target = Transformer(tiny_config(), rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+  drafter, dparams = EagleDrafter.create(make_head(target.config, 1), target, TREES[tree][0],
+                                         **TREES[tree][1])
+  ref = generate(target, PROMPTS, max_new_tokens=24)
+  out = speculative_generate(target, drafter, dparams, PROMPTS, max_new_tokens=24)
+  assert out.tokens == ref.tokens and out.tau > 1.0

@@ -121,11 +121,11 @@ def _hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
 
 
 def bench_decode(model: str, num_prompts: int = 3, max_new_tokens: int = 128,
-                 with_hf: bool = True, repeats: int = 3, mesh=None) -> dict:
+                 with_hf: bool = True, repeats: int = 3, mesh=None, dtype: str | None = None) -> dict:
   """``mesh``: the target laid out over this device mesh (:func:`eagle_jax.parallel.make_mesh`
-  of it; None: one device)."""
+  of it; None: one device). ``dtype``: the target's (None: the checkpoint's own)."""
   mesh = make_mesh(mesh)
-  lm = load_model(model)
+  lm = load_model(model, dtype)
   shard(lm.model, mesh)
   with use_mesh(mesh):
     return _bench_decode(lm, model, num_prompts, max_new_tokens, with_hf, repeats, mesh)

@@ -84,7 +84,8 @@ def _reads(kind: str) -> set[str]:
 def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"), num_prompts: int = 16,
                max_new_tokens: int = 128, temperature: float = 0.0, options: dict | None = None,
                checkpoint: str | None = None, runs_dir: str = "runs", with_hf: bool = True,
-               repeats: int = 2, progress: bool = False, budget: str = "tuned", mesh=None) -> dict:
+               repeats: int = 2, progress: bool = False, budget: str = "tuned", mesh=None,
+               dtype: str | None = None) -> dict:
   specs = list(dict.fromkeys(methods))
   by_spec = methods_for(specs, options or {}, checkpoint, budget)
   ev = EvalConfig(prompts="mtbench", num_questions=num_prompts, turns=(1,),
@@ -93,7 +94,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
   with tempfile.TemporaryDirectory(prefix="bench-spec-") as scratch:
     cfg = ExperimentConfig(name="bench-spec", methods=tuple(by_spec.values()), model=model,
                            runs_dir=runs_dir, results_dir=scratch, eval=ev,
-                           mesh=parse_mesh(mesh) or MeshSpec())
+                           mesh=parse_mesh(mesh) or MeshSpec(), dtype=dtype or "")
     summary, units, costs = run_config(cfg, progress=progress, curve_sizes=GRID)
   t = f"T{temperature}"
   results = {}

@@ -66,6 +66,8 @@ def unit(out, cfg, method, temperature, checkpoint, prompts_key, stem=None):
   mesh = to_dict(getattr(cfg, "mesh", None))
   if mesh and any(v != 1 for v in mesh.values()):  # one device: records made before meshes stay valid
     key["mesh"] = mesh
+  if getattr(cfg, "dtype", ""):
+    key["dtype"] = cfg.dtype
   if stem:  # not a method's records (notebooks read records/<method>-T<temperature>.jsonl)
     return os.path.join(out, f"{stem}.jsonl"), key
   return os.path.join(out, "records", f"{method.name}-T{temperature}.jsonl"), key

@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import uuid
+from typing import Literal
 
 from tqdm import tqdm
 
@@ -159,6 +160,9 @@ class ExperimentConfig:
   eval: EvalConfig = EvalConfig()
   # devices the target and drafters are laid out over (eagle_jax.parallel); all ones: one device
   mesh: MeshSpec = MeshSpec()
+  # the target's parameters and activations ("": the checkpoint's own dtype); logits, sampling
+  # and the verify step are float32 whatever it is
+  dtype: Literal["", "float32", "bfloat16", "float16"] = ""
 
   def validate(self):
     names = [m.name for m in self.methods]
@@ -318,7 +322,7 @@ def run_config(cfg: ExperimentConfig, *, progress: bool = True, where: str = "",
   dump_config(cfg, os.path.join(out, "config.yaml"))
   mesh = make_mesh(cfg.mesh)  # a mesh that does not fit the devices fails before any work
   questions = questions_for(cfg.eval)  # so does a bad prompt file or category
-  lm = load_model(cfg.model)
+  lm = load_model(cfg.model, cfg.dtype or None)
   if cfg.chat_template:
     lm.tokenizer.use_chat_template(cfg.chat_template)
   checkpoints = {m.name: ensure_checkpoint(m, cfg, progress) if m.kind in registry.TRAINED else None

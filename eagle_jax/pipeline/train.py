@@ -64,7 +64,9 @@ TrainConfig = dataclasses.make_dataclass(
     + [("optim", OptimConfig, OptimConfig()), ("loop", LoopConfig, LoopConfig()),
        ("tune", TuneConfig, TuneConfig()), ("decode_eval", DecodeEvalConfig, DecodeEvalConfig()),
        # devices for feature extraction and training (eagle_jax.parallel); all ones: one device
-       ("mesh", MeshSpec, MeshSpec())],
+       ("mesh", MeshSpec, MeshSpec()),
+       # the target's parameters and activations for feature extraction ("": the checkpoint's)
+       ("dtype", Literal["", "float32", "bfloat16", "float16"], "")],
     frozen=True, namespace={"validate": _validate, "__module__": __name__,
                             "__doc__": "A training config: the run, its target, the drafter kind, "
                                        "the shared sections and one section per trainable kind."})
@@ -98,7 +100,7 @@ def feature_caches(cfg: TrainConfig, lm, *, progress=True):
                         f"{lm.config.num_layers} ({lm.config.num_layers} layers)")
   spec = FeatureSpec(model=cfg.model, row_len=cfg.data.row_len, max_len=cfg.data.max_len,
                      layers=tuple(layers), rows_per_shard=cfg.features.rows_per_shard,
-                     batch_rows=cfg.features.batch_rows)
+                     batch_rows=cfg.features.batch_rows, dtype=cfg.dtype)
   stem = os.path.basename(cfg.model.rstrip("/"))
   rest = f"{spec.key()}-split{cfg.data.split_seed}-held{cfg.data.heldout_fraction}"
   root = os.path.join(cfg.runs_dir, "features", f"{stem}-sharegpt-{rest}")
@@ -166,7 +168,8 @@ def check_same_run(cfg: TrainConfig, run_dir: str) -> None:
   except EagleJaxError:
     pass
   section = registry.get(cfg.drafter).trainable.section
-  same = lambda d: ({k: d.get(k) for k in ("drafter", "model", "data", "features", "optim", section)},
+  same = lambda d: ({k: d.get(k) for k in ("drafter", "model", "dtype", "data", "features", "optim",
+                                           section)},
                     {k: d.get("loop", {}).get(k) for k in ("seed", "batch_rows", "epochs")})
   if same(before) != same(to_dict(cfg)):
     raise EagleJaxError(f"{run_dir}: holds a run with a different config ({saved}); "
@@ -193,7 +196,7 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   os.makedirs(run_dir, exist_ok=True)
   check_same_run(cfg, run_dir)
   dump_config(cfg, os.path.join(run_dir, "config.yaml"))
-  lm = load_model(cfg.model)
+  lm = load_model(cfg.model, cfg.dtype or None)
   shard(lm.model, mesh)  # extraction, training, held-out decoding and tuning on the mesh
   with use_mesh(mesh):
     return _run_training(cfg, trainable, run_dir, lm, mesh, progress)

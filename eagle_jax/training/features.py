@@ -50,9 +50,13 @@ class FeatureSpec:
   layers: tuple[int, ...] = ()
   rows_per_shard: int = 64
   batch_rows: int = 8
+  dtype: str = ""  # the target's, if not its checkpoint's own
 
   def key(self) -> str:
-    return hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+    fields = dataclasses.asdict(self)
+    if not fields["dtype"]:  # caches made before the field existed keep their key
+      del fields["dtype"]
+    return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def pack_shard(encoded: Sequence[tuple[np.ndarray, np.ndarray]], start: int, row_len: int,
