@@ -78,6 +78,8 @@ def _cmd_generate(args) -> None:
       gen = generate(lm.model, [prompt], **common)
     else:
       gen = speculative_generate(lm.model, drafter, dparams, [prompt], **common)
+  if not parallel.is_writer():  # several processes: process 0 prints
+    return
   text = lm.tokenizer.decode(gen.tokens[0])
   stats = {}
   if drafter is not None:
@@ -264,6 +266,10 @@ def _context_set(args) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="eagle-jax", description="Speculative decoding in JAX/Flax.")
+  p.add_argument("--distributed", action="store_true",
+                 help="start JAX's multi-process runtime (jax.distributed) on a cluster JAX "
+                 "detects; it also starts when JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
+                 "JAX_PROCESS_ID are set")
   sub = p.add_subparsers(dest="command", required=True)
 
   g = sub.add_parser("generate", help="chat generation with a target model")
@@ -426,8 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  enable_compilation_cache()
   try:
+    # several processes (one per host): JAX's runtime first, before anything touches a device
+    parallel.initialize_distributed(force=args.distributed)
+    enable_compilation_cache()
     args.func(args)
   except EagleJaxError as e:
     print(f"eagle-jax: error: {e}", file=sys.stderr)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 import sys
 from typing import Any, Iterator, Mapping, Sequence
@@ -38,6 +39,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eagle_jax.errors import EagleJaxError
@@ -321,10 +323,82 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh | None = None) -> NamedShard
   return NamedSharding(mesh, partition("batch", shape, ("batch",) + (None,) * (len(shape) - 1), mesh))
 
 
-def shard_batch(x, mesh: Mesh | None = None):
-  """A host batch ``[B, ...]`` placed by :func:`batch_sharding`; unchanged without a mesh."""
-  sharding = batch_sharding(np.shape(x), mesh)
-  return x if sharding is None else jax.device_put(x, sharding)
+def local_rows(batch: int, mesh: Mesh | None = None) -> slice:
+  """The rows of a ``[batch, ...]`` array laid out by :func:`batch_sharding` that this
+  process's devices hold (every row with one process or without a mesh): what it needs to
+  read."""
+  sharding = batch_sharding((batch,), mesh)
+  if sharding is None or jax.process_count() == 1:
+    return slice(0, batch)
+  spans = {idx[0].indices(batch)[:2] for idx in sharding.addressable_devices_indices_map((batch,)).values()}
+  start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+  return slice(start, stop)
+
+
+def shard_batch(x, mesh: Mesh | None = None, batch: int | None = None):
+  """A batch placed by :func:`batch_sharding`; unchanged without a mesh. ``x`` holds every row
+  (``batch=None``) or only this process's (:func:`local_rows` of ``batch`` rows), as each
+  process of a multi-process run reads only its own
+  (:func:`jax.make_array_from_process_local_data`)."""
+  full = (batch if batch is not None else np.shape(x)[0],) + tuple(np.shape(x)[1:])
+  sharding = batch_sharding(full, mesh)
+  if sharding is None:
+    return x
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  if batch is None:
+    x = np.asarray(x)[local_rows(full[0], mesh)]
+  return jax.make_array_from_process_local_data(sharding, np.asarray(x), full)
+
+
+def to_host(x) -> np.ndarray:
+  """``x`` as a numpy array on this host; an array spread over several processes' devices is
+  gathered from all of them first (every process must call this together)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def gather(module: nnx.Module) -> nnx.Module:
+  """``module`` with every array brought onto this host's default device (:func:`to_host`;
+  every process must call it together): for writing it out. Returned, updated in place; as it
+  is with one process, whose arrays are all addressable."""
+  if jax.process_count() == 1:
+    return module
+  state = nnx.state(module)
+  for _, var in nnx.to_flat_state(state):
+    value = var.get_value()
+    if isinstance(value, jax.Array):
+      var.set_value(jax.numpy.asarray(to_host(value)))
+  nnx.update(module, state)
+  return module
+
+
+def initialize_distributed(force: bool = False) -> bool:
+  """Starts JAX's multi-process runtime (:func:`jax.distributed.initialize`) when the standard
+  variables name a coordinator (``JAX_COORDINATOR_ADDRESS``, with ``JAX_NUM_PROCESSES`` and
+  ``JAX_PROCESS_ID``), or when ``force`` asks for it (a cluster JAX detects itself: TPU pods,
+  SLURM, Open MPI). Must run before anything touches a device; returns whether it ran."""
+  address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if not (address or force):
+    return False
+  kwargs = {}
+  for key, env in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
+    if os.environ.get(env):
+      try:
+        kwargs[key] = int(os.environ[env])
+      except ValueError:
+        raise EagleJaxError(f"{env}={os.environ[env]!r}: expected an integer") from None
+  try:
+    jax.distributed.initialize(coordinator_address=address, **kwargs)
+  except (ValueError, RuntimeError) as e:
+    raise EagleJaxError(f"multi-process start failed: {e}") from None
+  return True
+
+
+def is_writer() -> bool:
+  """Whether this process writes results, metrics and exported files (process 0)."""
+  return jax.process_index() == 0
 
 
 def param_bytes(tree: Any) -> dict[str, int]:

@@ -131,13 +131,13 @@ def test_sigkill_mid_epoch_then_resume_gives_identical_parameters(tmp_path):
 
 def _heldout_metrics(task, module, feats):
   """The trainer's held-out evaluation of ``module`` (rows and batches of tiny_training.LOOP)."""
-  from eagle_jax.training.trainer import _to_device
+  from eagle_jax.training.trainer import _read_batch
 
   loop, data = tiny_training.LOOP, FeatureShards(feats)
   starts = range(0, min(loop.eval_rows, data.num_rows) - loop.batch_rows + 1, loop.batch_rows)
   sums = {}
   for i in starts:
-    batch = _to_device(data.rows(range(i, i + loop.batch_rows), task.keys))
+    batch = _read_batch(data, range(i, i + loop.batch_rows), task.keys)
     _, m = task.loss(module, task.frozen, batch, jax.random.key(0), False)
     for k, v in m.items():
       sums[k] = sums.get(k, 0.0) + float(v)

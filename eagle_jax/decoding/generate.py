@@ -257,4 +257,4 @@ def run_compiled(jitted, args, statics: dict, host: bool = True):
   t1 = time.perf_counter()
   out = jax.block_until_ready(_COMPILED[key](*args))
   t2 = time.perf_counter()
-  return (jax.tree.map(np.asarray, out) if host else out), t1 - t0, t2 - t1
+  return (jax.tree.map(parallel.to_host, out) if host else out), t1 - t0, t2 - t1

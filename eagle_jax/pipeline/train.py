@@ -16,9 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Literal
 
+import jax
+
+from eagle_jax import parallel
 from eagle_jax.configs import dump_config, from_dict, load_config, read_yaml, to_dict
 from eagle_jax.decoding.speculative import speculative_generate
 from eagle_jax.drafters import registry
@@ -195,7 +199,8 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
   run_dir = os.path.join(cfg.runs_dir, cfg.name)
   os.makedirs(run_dir, exist_ok=True)
   check_same_run(cfg, run_dir)
-  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+  if parallel.is_writer():
+    dump_config(cfg, os.path.join(run_dir, "config.yaml"))
   lm = load_model(cfg.model, cfg.dtype or None)
   shard(lm.model, mesh)  # extraction, training, held-out decoding and tuning on the mesh
   with use_mesh(mesh):
@@ -214,7 +219,10 @@ def _run_training(cfg, trainable, run_dir: str, lm, mesh, progress: bool) -> dic
   result = train(task, data, held, run_dir, cfg.loop, cfg.optim, progress=progress,
                  eval_hook=decode_eval_hook(cfg, lm), mesh=mesh)
   final = os.path.join(run_dir, "final")
-  registry.export_drafter(cfg.drafter, result.module, final, {
+  module = parallel.gather(result.module)  # every process takes part; process 0 writes
+  if not parallel.is_writer():
+    return {"run_dir": run_dir, "final": final, "steps": result.steps, "process": jax.process_index()}
+  registry.export_drafter(cfg.drafter, module, final, {
       "model": cfg.model,
       "split": {"heldout_fraction": cfg.data.heldout_fraction, "split_seed": cfg.data.split_seed},
       **({"replies": {"kind": "target", "regenerated": cfg.data.regenerated}}
@@ -224,7 +232,10 @@ def _run_training(cfg, trainable, run_dir: str, lm, mesh, progress: bool) -> dic
       "heldout": {k: round(v, 4) for k, v in result.last_eval.items() if "rank" not in k}},
       lm, token_counts=counts)
   tuned = {}
-  if cfg.tune.enabled and trainable.tune is not None:
+  if cfg.tune.enabled and trainable.tune is not None and jax.process_count() > 1:
+    print(f"[train] budget tuning skipped across {jax.process_count()} processes: it times one "
+          f"host's passes; run `eagle-jax tune {final}` on one host", file=sys.stderr)
+  elif cfg.tune.enabled and trainable.tune is not None:
     tuned = trainable.tune(final, lm, cfg.tune, heldout_prompts(lm.tokenizer, cfg.tune.prompts, cfg.data),
                            result.last_eval)
   summary = {"run_dir": run_dir, "final": final, "steps": result.steps,

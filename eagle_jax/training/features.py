@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from eagle_jax import parallel
@@ -139,6 +140,8 @@ def _forward_fn(graphdef, layers):
 
 def _write_shard(root: str, index: int, arrays: dict) -> str:
   name = f"shard_{index:05d}"
+  if not parallel.is_writer():  # several processes: process 0 writes
+    return name
   tmp = os.path.join(root, f"{name}.tmp{os.getpid()}")
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
@@ -168,6 +171,8 @@ def read_manifest(root: str) -> dict:
 
 
 def _save_manifest(root: str, manifest: dict) -> None:
+  if not parallel.is_writer():
+    return
   tmp = os.path.join(root, f"manifest.json.tmp{os.getpid()}")
   with open(tmp, "w") as f:
     json.dump(manifest, f, indent=1)
@@ -211,6 +216,12 @@ def extract_features(model, encoded: Sequence[tuple[np.ndarray, np.ndarray]], ro
   cache holds the same conversations in another layout.
   """
   os.makedirs(root, exist_ok=True)
+  if jax.process_count() > 1:
+    # the processes of one run extract together (each pass spans all their devices), process 0
+    # writes; the others wait for its files before they read them
+    manifest = _extract_locked(model, encoded, root, spec, max_rows, progress and parallel.is_writer())
+    multihost_utils.sync_global_devices(f"features {root}")
+    return manifest
   with open(os.path.join(root, ".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     return _extract_locked(model, encoded, root, spec, max_rows, progress)
@@ -259,9 +270,9 @@ def _extract_locked(model, encoded, root, spec, max_rows, progress) -> dict:
       am, hid, lay = jax.block_until_ready(fwd(state, *args))
       rate.add(time.perf_counter() - t0, matmul_flops_per_s())
       tokens_done += int((sl["segments"] > 0).sum())
-      outs["target_argmax"].append(np.asarray(am)[:n])
-      outs["hidden"].append(np.asarray(hid)[:n])
-      outs["layers"].append(np.asarray(lay)[:n])
+      outs["target_argmax"].append(parallel.to_host(am)[:n])
+      outs["hidden"].append(parallel.to_host(hid)[:n])
+      outs["layers"].append(parallel.to_host(lay)[:n])
       bar.update(n)
       bar.set_postfix(tok_per_s=f"{tokens_done / max(rate.seconds, 1e-9):.0f}")
     batch.update({k: np.concatenate(v) for k, v in outs.items()})

@@ -144,11 +144,14 @@ def batch_rows_at(step: int, num_rows: int, batch: int, seed: int) -> np.ndarray
   return np.sort(order[i * batch:(i + 1) * batch])
 
 
-def _to_device(rows: dict, mesh=None) -> dict:
-  """Feature-cache rows as device arrays (bfloat16 widened), rows over the mesh's ``data`` axis."""
-  return {k: parallel.shard_batch(jnp.asarray(v.astype(np.float32) if v.dtype.kind == "V" or
-                                              v.dtype.name == "bfloat16" else v), mesh)
-          for k, v in rows.items()}
+def _read_batch(shards: FeatureShards, rows, keys, mesh=None) -> dict:
+  """The feature-cache ``rows`` (indices) as device arrays, bfloat16 widened, their rows over the
+  mesh's ``data`` axis; with several processes each reads only the rows its devices hold."""
+  mine = parallel.local_rows(len(rows), mesh)
+  part = shards.rows(np.asarray(rows)[mine], keys)
+  return {k: parallel.shard_batch(np.asarray(v.astype(np.float32) if v.dtype.kind == "V" or
+                                             v.dtype.name == "bfloat16" else v), mesh, len(rows))
+          for k, v in part.items()}
 
 
 def place_optimizer_state(tree, params, mesh):
@@ -247,7 +250,9 @@ def _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval
       raise EagleJaxError(f"{run_dir}: checkpoint was made for {got['meta']['total_steps']} steps, "
                           f"this config gives {total}; use a new run folder")
   metrics_path = os.path.join(run_dir, "metrics.jsonl")
-  _truncate_metrics(metrics_path, step)
+  writer = parallel.is_writer()  # with several processes, process 0 logs the metrics
+  if writer:
+    _truncate_metrics(metrics_path, step)
   fault = int(os.environ.get(FAULT_ENV, "-1"))
   base_key = jax.random.key(loop.seed)
   bar = tqdm(total=total, initial=step, unit="step", disable=not progress, desc="train")
@@ -262,7 +267,7 @@ def _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval
     batches = 0
     for i in range(0, n - loop.batch_rows + 1, loop.batch_rows):
       m = eval_step(params, rest, frozen,
-                    _to_device(heldout.rows(range(i, i + loop.batch_rows), task.keys), mesh))
+                    _read_batch(heldout, range(i, i + loop.batch_rows), task.keys, mesh))
       for k, v in m.items():
         sums[k] = sums.get(k, 0.0) + float(v)
       batches += 1
@@ -278,17 +283,17 @@ def _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval
         state=ocp.args.StandardSave({"params": params, "opt": opt_state}),
         meta=ocp.args.JsonSave(meta)))
 
-  with open(metrics_path, "a") as log:
+  with open(metrics_path if writer else os.devnull, "a") as log:
     while step < total:
       rows = batch_rows_at(step, data.num_rows, loop.batch_rows, loop.seed)
-      batch = _to_device(data.rows(rows, task.keys), mesh)
+      batch = _read_batch(data, rows, task.keys, mesh)
       t0 = time.perf_counter()
       params, opt_state, m = train_step(params, opt_state, rest, frozen, batch,
                                         jax.random.fold_in(base_key, step))
       m = {k: float(v) for k, v in m.items()}
       seconds += time.perf_counter() - t0
       step += 1
-      tokens += int((np.asarray(batch["segments"]) > 0).sum()) if "segments" in batch else 0
+      tokens += int((parallel.to_host(batch["segments"]) > 0).sum()) if "segments" in batch else 0
       bar.update(1)
       bar.set_postfix(loss=f"{m['loss']:.3f}", tok_per_s=f"{tokens / max(seconds, 1e-9):.0f}")
       record = None
