@@ -89,7 +89,7 @@ def _cmd_generate(args) -> None:
   if args.json:
     sizes = parallel.param_bytes((nnx.state(lm.model, nnx.Param), dparams))
     print(json.dumps({"model": args.model, "drafter": args.drafter,
-                      "dtype": str(lm.model.embed.dtype), "mesh": _mesh_json(mesh),
+                      "dtype": str(lm.model.embed.dtype), "mesh": parallel.describe(mesh),
                       "param_bytes_total": sizes["total"],
                       "param_bytes_per_device": sizes["per_device"], "prompt_tokens": len(prompt),
                       "token_ids": gen.tokens[0], "text": text, "new_tokens": gen.num_new[0],
@@ -212,12 +212,6 @@ def _cmd_demo(args) -> None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _mesh_json(mesh) -> dict:
-  """The mesh as JSON: axis sizes and device count (one device without a mesh)."""
-  spec = parallel.spec_of(mesh)
-  return {**(spec or parallel.MeshSpec()).as_dict(), "devices": 1 if mesh is None else mesh.size}
 
 
 def _add_mesh_arg(p: argparse.ArgumentParser, dtype: bool = True) -> None:

@@ -164,6 +164,11 @@ def spec_of(mesh: Mesh | None) -> MeshSpec | None:
   return None if mesh is None else MeshSpec(**{a: int(mesh.shape[a]) for a in AXES})
 
 
+def describe(mesh: Mesh | None) -> dict[str, int]:
+  """The mesh for JSON reports: its axis sizes and device count (one device without a mesh)."""
+  return {**(spec_of(mesh) or MeshSpec()).as_dict(), "devices": 1 if mesh is None else mesh.size}
+
+
 # The mesh the program being traced runs on (None: JAX's default device). Part of jax.jit's
 # cache key, so a function traced under one mesh is traced again under another.
 _MESH = jax.make_user_context(default_value=None)
@@ -188,6 +193,12 @@ def spans_devices() -> bool:
 
 
 _NOTED: set = set()
+
+
+def _per_layer(name: str) -> str:
+  """``name`` with its layer indices as ``*`` (``layers.*.attn.qkv.weight``): a note says once
+  what holds for every layer."""
+  return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", name)
 
 
 def _note(message: str) -> None:
@@ -215,8 +226,7 @@ def partition(name: str, shape: Sequence[int], logical: Sequence[str | None], me
       continue
     count = size if unit is None else unit
     if count % n:
-      where = re.sub(r"(^|\.)\d+(?=\.)", r"\1*", name)  # once for every layer
-      _note(f"{where}: {mesh_axis}={n} does not divide the {count} units of its {axis} axis "
+      _note(f"{_per_layer(name)}: {mesh_axis}={n} does not divide the {count} units of its {axis} axis "
             f"(dimension {dim}); replicated over {mesh_axis}")
       out.append(None)
     else:
@@ -236,7 +246,7 @@ def param_sharding(name: str, shape, mesh: Mesh, units=None) -> NamedSharding:
   axes = param_axes(name, len(shape))
   if axes is None:
     if len(shape) >= 2 and np.prod(shape) >= 1 << 16:
-      _note(f"{re.sub(r'(^|[.])[0-9]+(?=[.])', r'*', name)}: no partition rule; replicated")
+      _note(f"{_per_layer(name)}: no partition rule; replicated")
     return NamedSharding(mesh, PartitionSpec())
   return NamedSharding(mesh, partition(name, shape, axes, mesh, units))
 
@@ -254,21 +264,15 @@ def flat_name(path) -> str:
 
 
 def place(tree: Any, mesh: Mesh | None) -> Any:
-  """``tree`` (an NNX module, updated in place and returned, or any pytree of arrays: NNX
-  states, a drafter's parameters) with every array laid out over ``mesh`` by
-  :data:`PARAM_RULES`; unchanged without a mesh. Variables holding other pytrees (a model's
-  integer weight blocks) are left as they are: :func:`eagle_jax.model.transformer.shard` drops
-  those first."""
+  """``tree`` (an NNX module, updated in place and returned, an NNX state, updated in place, or
+  any pytree holding arrays, states and modules: a drafter's parameters) with every array laid
+  out over ``mesh`` by :data:`PARAM_RULES` (a variable's :data:`UNITS` metadata applied);
+  unchanged without a mesh. Variables holding other pytrees (a model's integer weight blocks)
+  are left as they are: :func:`eagle_jax.model.transformer.shard` drops those first."""
   if mesh is None:
     return tree
   if isinstance(tree, nnx.Module):
-    state = nnx.state(tree)
-    for path, var in nnx.to_flat_state(state):
-      value = var.get_value()
-      if isinstance(value, jax.Array | np.ndarray):
-        units = var.get_metadata().get(UNITS)
-        var.set_value(jax.device_put(value, param_sharding(flat_name(path), value.shape, mesh, units)))
-    nnx.update(tree, state)
+    nnx.update(tree, place(nnx.state(tree), mesh))
     return tree
   if isinstance(tree, nnx.State):
     for path, var in nnx.to_flat_state(tree):
@@ -279,24 +283,14 @@ def place(tree: Any, mesh: Mesh | None) -> Any:
     return tree
 
   def put(path, x):
+    if isinstance(x, nnx.State | nnx.Module):
+      return place(x, mesh)
     if isinstance(x, jax.Array | np.ndarray):
       return jax.device_put(x, param_sharding(flat_name(path), x.shape, mesh))
     return x
 
   return jax.tree_util.tree_map_with_path(
       put, tree, is_leaf=lambda x: isinstance(x, nnx.State | nnx.Module))
-
-
-def place_params(tree: Any, mesh: Mesh | None) -> Any:
-  """:func:`place` for a drafter's parameters: NNX states found inside tuples, lists and
-  dataclasses are placed with their variables' metadata; other arrays by name."""
-  if mesh is None:
-    return tree
-  if isinstance(tree, nnx.State | nnx.Module):
-    return place(tree, mesh)
-  if isinstance(tree, tuple | list):
-    return type(tree)(place_params(x, mesh) for x in tree)
-  return place(tree, mesh)
 
 
 def set_units(variable: nnx.Variable, units: Sequence[int | None]) -> None:

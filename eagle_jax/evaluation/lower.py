@@ -125,8 +125,7 @@ def lower_programs(model: str = DEFAULT_MODEL, platforms=("cuda", "tpu"), drafte
     weights = registry.get(drafter).weights
     report: dict = {"model": model, "drafter": drafter, "budget": budget,
                     "dtype": str(lm.model.embed.dtype),
-                    "mesh": (parallel.spec_of(mesh) or parallel.MeshSpec()).as_dict(),
-                    "devices": 1 if mesh is None else mesh.size,
+                    "mesh": parallel.describe(mesh),
                     "shapes": {"batch": batch, "prompt_width": int(tokens.shape[1]),
                                "cache_len": cache_len, "max_new_tokens": max_new_tokens,
                                "train_rows": train_rows, "row_len": row_len},

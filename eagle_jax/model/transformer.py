@@ -188,7 +188,7 @@ def quantize_linears(module: nnx.Module) -> int:
 
 def shard(tree, mesh):
   """``tree`` (a model, a drafter's parameters: any pytree of NNX modules, states and arrays)
-  laid out over ``mesh`` by the partition rules (:func:`eagle_jax.parallel.place_params`), the
+  laid out over ``mesh`` by the partition rules (:func:`eagle_jax.parallel.place`), the
   integer weight blocks of its modules dropped first (only the CPU kernels read them, and they
   step aside under a mesh); ``tree`` unchanged without a mesh."""
   if mesh is None:
@@ -199,7 +199,7 @@ def shard(tree, mesh):
         for attr, value in list(vars(node).items()) if isinstance(node, nnx.Module) else ():
           if isinstance(value, WeightBlocks):
             setattr(node, attr, None)
-  return parallel.place_params(tree, mesh)
+  return parallel.place(tree, mesh)
 
 
 def _linear(din, dout, bias, rngs, param_dtype):
