@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -78,8 +79,6 @@ def _cmd_generate(args) -> None:
       gen = generate(lm.model, [prompt], **common)
     else:
       gen = speculative_generate(lm.model, drafter, dparams, [prompt], **common)
-  if not parallel.is_writer():  # several processes: process 0 prints
-    return
   text = lm.tokenizer.decode(gen.tokens[0])
   stats = {}
   if drafter is not None:
@@ -430,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     # several processes (one per host): JAX's runtime first, before anything touches a device
     parallel.initialize_distributed(force=args.distributed)
     enable_compilation_cache()
-    args.func(args)
+    with open(os.devnull, "w") as quiet, \
+        contextlib.redirect_stdout(sys.stdout if parallel.is_writer() else quiet):
+      args.func(args)  # several processes: process 0 prints the results
   except EagleJaxError as e:
     print(f"eagle-jax: error: {e}", file=sys.stderr)
     return 2

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import sys
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -393,6 +394,19 @@ def initialize_distributed(force: bool = False) -> bool:
 def is_writer() -> bool:
   """Whether this process writes results, metrics and exported files (process 0)."""
   return jax.process_index() == 0
+
+
+def share(read: Callable[[], Any]) -> Any:
+  """What ``read()`` returns on process 0, on every process (``read`` runs there only; its
+  value must be JSON-serialisable; every process must call this together). With one process,
+  ``read()``. For decisions that must agree across processes (which units are cached, what a
+  resumed run has done) and for what only process 0 reads from disk."""
+  if jax.process_count() == 1:
+    return read()
+  payload = np.frombuffer(json.dumps(read()).encode(), np.uint8) if is_writer() else None
+  size = int(multihost_utils.broadcast_one_to_all(np.int64(0 if payload is None else payload.size)))
+  data = multihost_utils.broadcast_one_to_all(payload if payload is not None else np.zeros(size, np.uint8))
+  return json.loads(np.asarray(data, np.uint8).tobytes().decode())
 
 
 def param_bytes(tree: Any) -> dict[str, int]:

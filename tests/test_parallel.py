@@ -247,17 +247,47 @@ _PROCESS_SCRIPT = textwrap.dedent("""
     digest = hashlib.sha256()
     for path, v in sorted(nnx.to_flat_state(nnx.state(result.module, nnx.Param)), key=lambda x: str(x[0])):
       digest.update(parallel.to_host(v.get_value()).astype(np.float32).round(5).tobytes())
+    # the experiment runner: batches of 2 rows over data=2 (each process decodes its row), into
+    # a results folder of each process's own: process 0 alone reads and writes it
+    from eagle_jax.evaluation.runner import EvalConfig, ExperimentConfig, MethodConfig, run_config
+    results = os.path.join(root, "results-" + who)
+    cfg = ExperimentConfig(
+        name="x", model=os.path.join(root, "..", "model"), results_dir=results, mesh=parallel.spec_of(mesh),
+        methods=(MethodConfig(name="vanilla"), MethodConfig(name="skip1", drafter="self-draft",
+                                                            self_draft_layers=1, gamma=2)),
+        eval=EvalConfig(prompts=os.path.join(root, "..", "prompts.jsonl"), temperatures=(0.0,),
+                        batch_size=2, max_new_tokens=6, stop_at_eos=False))
+    summary, units, _ = run_config(cfg, progress=False)
+    again = run_config(cfg, progress=False)[1]  # every unit cached: process 0's records, shared
+    runner = {"tokens": {m: [r["token_ids"] for r in units[(m, 0.0)]] for m in ("vanilla", "skip1")},
+              "tau": summary["methods"]["skip1"]["T0.0"]["tau"],
+              "mismatches": summary["methods"]["skip1"]["T0.0"]["greedy_mismatches"],
+              "again": {m: [(r["token_ids"], r["seconds"], r["session"]) for r in again[(m, 0.0)]]
+                        for m in ("vanilla", "skip1")},
+              "wrote": sorted(os.listdir(os.path.join(results, "x"))) if os.path.isdir(results) else []}
+    report = {"processes": jax.process_count(), "devices": jax.device_count(), "vanilla": vanilla,
+              "eagle": eagle, "params": digest.hexdigest(), "runner": runner}
     if parallel.is_writer():
-      losses = [r["loss"] for r in read_metrics(run_dir)]
-      print(json.dumps({"processes": jax.process_count(), "devices": jax.device_count(),
-                        "vanilla": vanilla, "eagle": eagle, "losses": losses,
-                        "params": digest.hexdigest()}))
+      report["losses"] = [r["loss"] for r in read_metrics(run_dir)]
+    print(json.dumps(report))
     """)
 
 
 def test_two_processes_of_4_devices_equal_one_process_of_8(tmp_path):
   import socket
 
+  from eagle_jax.model.checkpoints import save_hf_folder
+  from eagle_jax.model.config import tiny_config
+  from eagle_jax.model.registry import DEFAULT_MODEL, resolve
+  from eagle_jax.model.transformer import Transformer
+
+  # a tiny random target with the default target's tokenizer, and four prompts, for the runner
+  save_hf_folder(Transformer(tiny_config(vocab_size=49152), rngs=nnx.Rngs(0)), str(tmp_path / "model"),
+                 resolve(DEFAULT_MODEL))
+  (tmp_path / "prompts.jsonl").write_text("".join(
+      json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(
+          ["Name three rivers.", "What is 12 times 9?", "Write a haiku about rain.",
+           "Why is the sky blue?"])))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   run = lambda args, env: subprocess.Popen([sys.executable, "-c", _PROCESS_SCRIPT, *args], cwd=root,
                                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -276,10 +306,21 @@ def test_two_processes_of_4_devices_equal_one_process_of_8(tmp_path):
   out, err = single.communicate(timeout=900)
   assert single.returncode == 0, err[-3000:]
   reports = lambda text: [json.loads(l) for l in text.splitlines() if l.startswith("{")]
-  (multi,), (one,) = reports(outs[0][0]), reports(out)
-  assert not reports(outs[1][0])  # only process 0 reports (and writes the metrics)
+  (multi,), (other,), (one,) = reports(outs[0][0]), reports(outs[1][0]), reports(out)
+  assert "losses" not in other  # process 0 alone writes the metrics
   assert (multi["processes"], multi["devices"], one["processes"], one["devices"]) == (2, 8, 1, 8)
   assert multi["vanilla"] == one["vanilla"] and multi["eagle"] == one["eagle"]
   assert len(multi["losses"]) == len(one["losses"]) > 10
   np.testing.assert_allclose(multi["losses"], one["losses"], rtol=1e-5)
   assert multi["params"] == one["params"]
+  # the runner: both processes hold every row's tokens, equal to one process's; process 0
+  # wrote the results (process 1 nothing, though it sees no file of process 0's), and a
+  # re-run reuses them on both
+  for proc in (multi, other):
+    assert proc["runner"]["tokens"] == one["runner"]["tokens"]
+    assert proc["runner"]["tau"] == one["runner"]["tau"]
+    assert [t for t, _, _ in proc["runner"]["again"]["skip1"]] == one["runner"]["tokens"]["skip1"]
+  assert multi["runner"]["again"] == other["runner"]["again"]  # process 0's timings, on both
+  assert len(one["runner"]["tokens"]["vanilla"]) == 4 and multi["runner"]["mismatches"] == 0
+  assert multi["runner"]["wrote"] == one["runner"]["wrote"] and "summary.json" in one["runner"]["wrote"]
+  assert other["runner"]["wrote"] == []

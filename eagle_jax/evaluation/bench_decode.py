@@ -29,7 +29,7 @@ from eagle_jax.evaluation.prompts import load_mtbench
 from eagle_jax.model.blocks import Blocks
 from eagle_jax.model.registry import load_model
 from eagle_jax.model.transformer import WeightBlocks, shard
-from eagle_jax.parallel import MeshSpec, make_mesh, spec_of, use_mesh
+from eagle_jax.parallel import MeshSpec, is_writer, make_mesh, spec_of, use_mesh
 
 
 def read_bandwidth_probe(nbytes: int = 256 * 2**20, repeats: int = 20) -> Callable[[], dict[str, float]]:
@@ -180,7 +180,7 @@ def _bench_decode(lm, model, num_prompts, max_new_tokens, with_hf, repeats, mesh
     if inside["block_products"] > 0:
       result["block_products_gbs"] = round(sum(_blocks_read(lm.model).values())
                                            / inside["block_products"] / 1e6, 2)
-  if with_hf:
+  if with_hf and is_writer():  # several processes: process 0 times the reference
     hf_tokens, hf_secs, torch_version, threads = _hf_greedy(lm.folder, prompts, max_new_tokens)
     result.update({
         "hf_tok_s": round(n_total / sum(hf_secs), 2),

@@ -27,7 +27,7 @@ from eagle_jax.drafters.kinds import flag_for
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.evaluation.prompts import load_mtbench, pick_questions
 from eagle_jax.evaluation.runner import EvalConfig, ExperimentConfig, MethodConfig, run_config
-from eagle_jax.parallel import MeshSpec, parse_mesh
+from eagle_jax.parallel import MeshSpec, is_writer, parse_mesh
 from eagle_jax.model.registry import load_model
 
 GRID = (1, 2, 4, 8, 16, 26, 32, 64)  # verify-cost sizes always printed
@@ -130,7 +130,7 @@ def bench_spec(model: str, methods=("vanilla", "pld", "pld-static", "self-draft"
     results[spec] = row
   curve = curve_from_json(costs["verify_cost_ms"])
   out = {"methods": results, "verify_cost_ms": curve, "speedup_ceiling": speedup_ceiling(curve)}
-  if with_hf:
+  if with_hf and is_writer():  # several processes: process 0 times the reference
     lm = load_model(model)
     questions = pick_questions(load_mtbench(), num_prompts)
     prompts = [lm.tokenizer.chat_prompt(q.turns[0]) for q in questions]

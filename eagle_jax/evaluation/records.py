@@ -1,6 +1,11 @@
 """An experiment's records on disk: each (method, temperature) unit's records with the key
 that produced them (a unit whose key still matches is reused), vanilla baselines kept per
 timing process, and the measured costs (verify-cost curve, each method's draft step).
+
+With several processes (:mod:`eagle_jax.parallel`), process 0 alone reads and writes these
+files: what it reads is given to every process (:func:`eagle_jax.parallel.share`), so that all
+of them skip the same cached units and time the same programs, whether or not they see the
+same filesystem.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from eagle_jax.configs import to_dict
 from eagle_jax.decoding.costs import curve_from_json, draft_cost_ms, sizes_up_to, verify_cost_curve
 from eagle_jax.decoding.speculative import is_chain, loop_widths, verify_widths
 from eagle_jax.drafters.storage import read_meta
+from eagle_jax.parallel import is_writer, share
 
 
 def read_jsonl(path):
@@ -23,6 +29,9 @@ def read_jsonl(path):
 
 
 def write_atomic(path, text):
+  """Writes ``text`` to ``path`` through a temporary file (process 0 only)."""
+  if not is_writer():
+    return
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
     f.write(text)
@@ -74,6 +83,12 @@ def unit(out, cfg, method, temperature, checkpoint, prompts_key, stem=None):
 
 
 def cached(path, key):
+  """The records at ``path`` if their key file holds ``key``, else None (read by process 0,
+  given to all)."""
+  return share(lambda: _read_cached(path, key))
+
+
+def _read_cached(path, key):
   try:
     with open(path[:-len(".jsonl")] + ".key.json") as f:
       return read_jsonl(path) if json.load(f) == json.loads(json.dumps(key)) else None
@@ -82,6 +97,8 @@ def cached(path, key):
 
 
 def store(path, key, records):
+  if not is_writer():
+    return
   os.makedirs(os.path.dirname(path), exist_ok=True)
   write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
   write_atomic(path[:-len(".jsonl")] + ".key.json", json.dumps(key))
@@ -114,6 +131,11 @@ def baseline(out, vanilla_unit, vanilla_records, records):
 
 
 def load_costs(path, model) -> dict:
+  """The costs measured for ``model`` on this machine so far (process 0's file, given to all)."""
+  return share(lambda: _read_costs(path, model))
+
+
+def _read_costs(path, model) -> dict:
   try:
     with open(path) as f:
       costs = json.load(f)

@@ -49,7 +49,7 @@ from eagle_jax.evaluation.prompts import load_jsonl_prompts, load_mtbench, pick_
 from eagle_jax.evaluation.tables import render_markdown, summarize
 from eagle_jax.model.registry import DEFAULT_MODEL, REGISTRY, load_model, model_slug
 from eagle_jax.model.transformer import shard
-from eagle_jax.parallel import MeshSpec, make_mesh, use_mesh
+from eagle_jax.parallel import MeshSpec, is_writer, make_mesh, share, use_mesh
 from eagle_jax.pipeline import train as pipeline
 
 
@@ -208,8 +208,9 @@ def ensure_checkpoint(method: MethodConfig, cfg: ExperimentConfig, progress: boo
   overrides += (f"model={cfg.model}",)
   tcfg = load_config(pipeline.TrainConfig, method.train, overrides)
   final = os.path.join(tcfg.runs_dir, tcfg.name, "final")
-  if not pipeline.run_finished(tcfg):  # resumes an interrupted run (its training or its tuning)
-    print(f"[run] training {method.name}: {method.train} -> {final}", flush=True)
+  if not share(lambda: pipeline.run_finished(tcfg)):  # resumes an interrupted run (its training or its tuning)
+    if is_writer():
+      print(f"[run] training {method.name}: {method.train} -> {final}", flush=True)
     pipeline.run_training(method.train, overrides, progress=progress)
   return final
 
@@ -224,7 +225,7 @@ def questions_for(ev: EvalConfig, announce: bool = True):
   qs = load_mtbench() if ev.prompts == "mtbench" else load_jsonl_prompts(ev.prompts)
   picked = pick_questions(qs, ev.num_questions, ev.categories)
   pool = sum(not ev.categories or q.category in ev.categories for q in qs)
-  if announce and len(picked) < pool:
+  if announce and len(picked) < pool and is_writer():
     print(f"[eval] {len(picked)} of the {pool} prompts in {ev.prompts} "
           f"(eval.num_questions={ev.num_questions}; 0 = all)", file=sys.stderr, flush=True)
   return picked
@@ -308,7 +309,8 @@ def run_experiment(path: str, overrides=(), *, progress: bool = True) -> dict:
   """``eagle-jax run CONFIG``: the summary of the experiment ``path`` names (its table printed)."""
   cfg = load_experiment(path, overrides)
   summary = run_config(cfg, progress=progress, where=path)[0]
-  print(render_markdown([summary]))
+  if is_writer():
+    print(render_markdown([summary]))
   return summary
 
 
@@ -318,8 +320,10 @@ def run_config(cfg: ExperimentConfig, *, progress: bool = True, where: str = "",
   and returns ``(summary, units, costs)``: ``units[(method, T)]`` are the records.
   ``curve_sizes``: verify-cost sizes to measure besides the methods' own."""
   out = os.path.join(cfg.results_dir, cfg.name)
-  os.makedirs(out, exist_ok=True)
-  dump_config(cfg, os.path.join(out, "config.yaml"))
+  progress = progress and is_writer()  # several processes: process 0 shows progress and writes
+  if is_writer():
+    os.makedirs(out, exist_ok=True)
+    dump_config(cfg, os.path.join(out, "config.yaml"))
   mesh = make_mesh(cfg.mesh)  # a mesh that does not fit the devices fails before any work
   questions = questions_for(cfg.eval)  # so does a bad prompt file or category
   lm = load_model(cfg.model, cfg.dtype or None)
@@ -355,7 +359,9 @@ def _evaluate(cfg: ExperimentConfig, lm, mesh, questions, checkpoints: dict, out
   units, drafters, baselines = {}, {}, {}
   costs_path = os.path.join(out, "costs.json")
   costs = store.load_costs(costs_path, cfg.model)
-  session = uuid.uuid4().hex[:12]  # records timed by this process (speedups pair within one)
+  # records timed by this run (speedups pair within one); with several processes, process 0's
+  # timings are recorded, under one session name
+  session = share(lambda: uuid.uuid4().hex[:12])
   for temperature in cfg.eval.temperatures:
     unit = {m.name: store.unit(out, cfg, m, temperature, checkpoints[m.name], qkey) for m in cfg.methods}
     cached = {name: store.cached(*u) for name, u in unit.items()}
