@@ -129,6 +129,61 @@ def test_sigkill_mid_epoch_then_resume_gives_identical_parameters(tmp_path):
   assert steps == [r["step"] for r in read_metrics(straight)]  # no duplicated or lost records
 
 
+def test_a_checkpoint_with_stacked_rows_resumes_in_the_fused_row_order(tmp_path):
+  """A training checkpoint whose metadata does not name the fused row layout holds q, k, v (and
+  gate, up) stacked by rows, as checkpoints made before the rows were grouped do: it resumes
+  with its weights and Adam moments put in the fused order, ending where an uninterrupted run
+  ends. Control: the same stacked checkpoint labelled with the fused layout ends elsewhere."""
+  import shutil
+
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  from eagle_jax.model.transformer import ROW_LAYOUT, fused_row_orders, unfuse_rows
+  from eagle_jax.parallel import flat_name
+
+  feats = str(tmp_path / "features")
+  tiny_training.make_features(feats)
+  whole = tiny_training.run(feats, str(tmp_path / "whole"))
+  orders = fused_row_orders(whole.module)
+  assert any(n.endswith("qkv.weight") for n in orders) and any(n.endswith("gate_up.weight") for n in orders)
+
+  def stacked(path, x):
+    name = flat_name(path).removesuffix(".value")
+    order = next((o for n, o in orders.items() if name.endswith("." + n) or name == n), None)
+    return x if order is None or np.ndim(x) == 0 else unfuse_rows(np.asarray(x), order)
+
+  def resume_from_stacked(name, label):
+    run = tmp_path / name
+    shutil.copytree(tmp_path / "whole", run)
+    ckpts = run / "checkpoints"
+    steps = sorted(int(s) for s in os.listdir(ckpts) if s.isdigit())
+    for s in steps[1:]:
+      shutil.rmtree(ckpts / str(s))
+    mngr = ocp.CheckpointManager(str(ckpts))
+    got = mngr.restore(steps[0], args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                         meta=ocp.args.JsonRestore()))
+    meta = {k: v for k, v in got["meta"].items() if k != "fused_rows"} | label
+    assert got["meta"]["fused_rows"] == ROW_LAYOUT  # what checkpoints record now
+    state = jax.tree_util.tree_map_with_path(stacked, got["state"])
+    shutil.rmtree(ckpts / str(steps[0]))
+    mngr = ocp.CheckpointManager(str(ckpts))
+    mngr.save(steps[0], args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                meta=ocp.args.JsonSave(meta)))
+    mngr.wait_until_finished()
+    result = tiny_training.run(feats, str(run))
+    assert result.resumed_from == steps[0]
+    return weights(result.module)
+
+  weights = lambda module: {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(module))}
+  want = weights(whole.module)
+  converted = resume_from_stacked("old", {})
+  for k in want:
+    np.testing.assert_array_equal(converted[k], want[k], err_msg=str(k))
+  mislabelled = resume_from_stacked("mislabelled", {"fused_rows": ROW_LAYOUT})
+  assert any(not np.array_equal(mislabelled[k], want[k]) for k in want)
+
+
 def _heldout_metrics(task, module, feats):
   """The trainer's held-out evaluation of ``module`` (rows and batches of tiny_training.LOOP)."""
   from eagle_jax.training.trainer import _read_batch

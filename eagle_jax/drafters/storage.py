@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 
 from eagle_jax.errors import EagleJaxError
 from eagle_jax.model.checkpoints import read_metadata, read_safetensors
-from eagle_jax.model.transformer import fuse_rows, fused_rows
+from eagle_jax.model.transformer import ROW_LAYOUT, fuse_rows, fused_row_orders
 
 
 def final_folder(path: str) -> str:
@@ -79,7 +79,7 @@ def load_token_counts(path: str, vocab: int) -> np.ndarray:
 
 # params.safetensors metadata: the fused q/k/v and gate/up weights are stored in the model's row
 # order (eagle_jax.model.transformer.fused_rows); files without it stack q, k, v (gate, up)
-FUSED_ROWS = {"fused_rows": "grouped"}
+FUSED_ROWS = {"fused_rows": ROW_LAYOUT}
 
 
 def save_params(module, folder: str) -> None:
@@ -92,15 +92,9 @@ def save_params(module, folder: str) -> None:
 def _fuse_stacked(module, tensors: dict) -> None:
   """Puts the fused weights of a file that stacks q, k, v (and gate, up) by rows in the model's
   row order (:func:`~eagle_jax.model.transformer.fused_rows`), in place."""
-  for path, node in nnx.iter_graph(module):
-    order = fused_rows(node)
-    if order is None:
-      continue
-    prefix = ".".join(str(p) for p in path)
-    for name in ("qkv.weight", "qkv.bias", "gate_up.weight"):
-      key = f"{prefix}.{name}" if prefix else name
-      if key in tensors:
-        tensors[key] = fuse_rows(tensors[key], order)
+  for key, order in fused_row_orders(module).items():
+    if key in tensors:
+      tensors[key] = fuse_rows(tensors[key], order)
 
 
 def load_params(module, folder: str):

@@ -238,6 +238,25 @@ def fused_rows(module) -> np.ndarray | None:
   return None
 
 
+# the fused row order's name, as parameter files and training checkpoints record it (under
+# "fused_rows"); files and checkpoints without it stack q, k, v (gate, up) by rows
+ROW_LAYOUT = "grouped"
+
+
+def fused_row_orders(module) -> dict[str, np.ndarray]:
+  """Flat name (``layers.0.attn.qkv.weight``) -> row order (:func:`fused_rows`) of every fused
+  weight and bias inside ``module``."""
+  out = {}
+  for path, node in nnx.iter_graph(module):
+    order = fused_rows(node)
+    if order is None:
+      continue
+    prefix = "".join(f"{p}." for p in path)
+    for name in (("qkv.weight", "qkv.bias") if isinstance(node, Attention) else ("gate_up.weight",)):
+      out[prefix + name] = order
+  return out
+
+
 def fuse_rows(stacked, rows: np.ndarray):
   """Separate projections stacked by rows -> the fused layout (``rows`` from :func:`fused_rows`)."""
   return stacked[rows]

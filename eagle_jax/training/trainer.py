@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from eagle_jax import parallel
 from eagle_jax.errors import EagleJaxError
+from eagle_jax.model.transformer import ROW_LAYOUT, fuse_rows, fused_row_orders
 from eagle_jax.training.features import FeatureShards
 
 # Fault injection for resume tests: the process SIGKILLs itself right after this global step.
@@ -199,6 +200,23 @@ def make_steps(task: Task, graphdef, tx: optax.GradientTransformation):
   return train_step, eval_step
 
 
+def _fuse_stacked_rows(tree, orders: dict[str, np.ndarray]):
+  """``tree`` (parameters, optimizer state) restored from a checkpoint that stacks q, k, v and
+  gate, up by rows, in the fused row order of ``orders`` (flat parameter name -> order): each
+  array whose name ends with one of those names (moments too) is permuted by rows, keeping its
+  layout over the devices."""
+  def fix(path, x):
+    name = parallel.flat_name(path).removesuffix(".value")
+    order = next((o for n, o in orders.items() if name == n or name.endswith("." + n)), None)
+    if order is None or np.ndim(x) == 0 or np.shape(x)[0] != len(order):
+      return x
+    rows = fuse_rows(parallel.to_host(x), order)
+    if not isinstance(x, jax.Array):
+      return rows
+    return jax.make_array_from_callback(rows.shape, x.sharding, lambda index: rows[index])
+  return jax.tree_util.tree_map_with_path(fix, tree)
+
+
 def train(task: Task, data: FeatureShards, heldout: FeatureShards | None, run_dir: str,
           loop: LoopConfig = LoopConfig(), optim: OptimConfig = OptimConfig(), *,
           progress: bool = True, extra_meta: dict | None = None,
@@ -245,6 +263,8 @@ def _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval
     got = mngr.restore(resumed, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     params, opt_state = got["state"]["params"], got["state"]["opt"]
+    if got["meta"].get("fused_rows") != ROW_LAYOUT:  # saved with q, k, v (gate, up) stacked
+      params, opt_state = _fuse_stacked_rows((params, opt_state), fused_row_orders(module))
     step, tokens = int(got["meta"]["step"]), int(got["meta"]["tokens"])
     if got["meta"]["total_steps"] != total:
       raise EagleJaxError(f"{run_dir}: checkpoint was made for {got['meta']['total_steps']} steps, "
@@ -277,7 +297,7 @@ def _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval
     return out
 
   def checkpoint():
-    meta = {"step": step, "tokens": tokens, "total_steps": total,
+    meta = {"step": step, "tokens": tokens, "total_steps": total, "fused_rows": ROW_LAYOUT,
             "epoch": step // per_epoch, "batch_in_epoch": step % per_epoch, **(extra_meta or {})}
     mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave({"params": params, "opt": opt_state}),
