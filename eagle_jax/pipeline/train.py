@@ -203,8 +203,8 @@ def run_training(config_path: str, overrides=(), *, progress=True) -> dict:
     dump_config(cfg, os.path.join(run_dir, "config.yaml"))
   lm = load_model(cfg.model, cfg.dtype or None)
   shard(lm.model, mesh)  # extraction, training, held-out decoding and tuning on the mesh
-  with use_mesh(mesh):
-    return _run_training(cfg, trainable, run_dir, lm, mesh, progress)
+  with use_mesh(mesh):  # several processes: process 0 shows the progress
+    return _run_training(cfg, trainable, run_dir, lm, mesh, progress and parallel.is_writer())
 
 
 def _run_training(cfg, trainable, run_dir: str, lm, mesh, progress: bool) -> dict:
