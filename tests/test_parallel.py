@@ -141,27 +141,33 @@ def test_decoding_over_a_mesh_of_8_devices_equals_one_device():
 
 
 _TRAIN_SCRIPT = textwrap.dedent("""
-    import json, os, shutil, sys
+    import json, os, shutil, subprocess, sys
     import numpy as np
     from flax import nnx
     sys.path.insert(0, "tests")
     import tiny_training as tt
     from eagle_jax import parallel
-    from eagle_jax.training.features import FeatureShards
-    from eagle_jax.training.trainer import OptimConfig, read_metrics, train
+    from eagle_jax.training.trainer import read_metrics
 
     root = sys.argv[1]
     tt.make_features(os.path.join(root, "features"))
-    data = FeatureShards(os.path.join(root, "features"))
     meshes = {"1": None, "8": parallel.make_mesh("data=2,fsdp=4")}
 
     def run(name, mesh):
-      return train(tt.task(3), data, data, os.path.join(root, name), tt.LOOP,
-                   OptimConfig(lr=1e-2, warmup_steps=2), progress=False, mesh=meshes[mesh])
+      return tt.run(os.path.join(root, "features"), os.path.join(root, name), 3, meshes[mesh])
 
     def params(result):
       return {".".join(map(str, p)): np.asarray(v.get_value())
               for p, v in nnx.to_flat_state(nnx.state(result.module, nnx.Param))}
+
+    def killed(name):
+      # the same run in a process killed (SIGKILL) after step 5, past its checkpoint of step 3
+      out = subprocess.run([sys.executable, "tests/tiny_training.py", os.path.join(root, "features"),
+                            os.path.join(root, name), "data=2,fsdp=4"],
+                           env=dict(os.environ, EAGLE_JAX_FAULT_AT_STEP="5"))
+      assert out.returncode == -9, out.returncode
+      ckpts = os.path.join(root, name, "checkpoints")
+      return max(int(s) for s in os.listdir(ckpts) if s.isdigit())
 
     def cut(name):
       # the latest checkpoint gone: the next run resumes from the one before it
@@ -179,8 +185,11 @@ _TRAIN_SCRIPT = textwrap.dedent("""
     report["sharded"] = str(qkv.sharding.spec)
     for first, then in (("8", "8"), ("8", "1"), ("1", "8")):
       name = f"resume{first}to{then}"
-      shutil.copytree(os.path.join(root, "whole" + first), os.path.join(root, name))
-      at = cut(name)
+      if first == then:
+        at = killed(name)
+      else:
+        shutil.copytree(os.path.join(root, "whole" + first), os.path.join(root, name))
+        at = cut(name)
       resumed = run(name, then)
       diff = max(float(np.max(np.abs(a - b))) for a, b in
                  zip(params(resumed).values(), params(whole[then]).values()))
@@ -199,7 +208,7 @@ def test_training_over_a_mesh_matches_one_device_and_resumes_across_meshes(tmp_p
   # data=2 x fsdp=4: the same losses at every logged step as one device
   assert report["steps"] > 10 and report["loss_rel_diff"] < 1e-3, report
   assert "fsdp" in report["sharded"], report
-  # a killed run resumes bit-exact on its own mesh, and onto another mesh (8 -> 1, 1 -> 8) it
+  # a run killed by SIGKILL resumes bit-exact on its own mesh, and onto another mesh (8 -> 1, 1 -> 8) it
   # ends where an uninterrupted run on that mesh ends
   assert report["resume8to8"]["resumed_from"] == report["resume8to8"]["cut_at"]
   assert report["resume8to8"]["max_abs_diff"] == 0.0, report

@@ -1,7 +1,7 @@
 """A tiny, fully deterministic EAGLE training setup (a module, not a test file).
 
-Used in-process by tests and as ``python tests/tiny_training.py FEATURES RUN_DIR`` by the
-resume test, which kills that process with SIGKILL and restarts it.
+Used in-process by tests and as ``python tests/tiny_training.py FEATURES RUN_DIR [MESH]`` by the
+resume tests, which kill that process with SIGKILL and restart it.
 """
 
 import sys
@@ -48,14 +48,20 @@ def task(version=1):
   return EagleTask(config=cfg, frozen=Frozen.of(t), ttt_steps=1 if version == 1 else 2)
 
 
-def run(features, run_dir, version=1):
+def run(features, run_dir, version=1, mesh=None):
   data = FeatureShards(features)
   return train(task(version), data, data, run_dir, LOOP, OptimConfig(lr=1e-2, warmup_steps=2),
-               progress=False)
+               progress=False, mesh=mesh)
 
 
 if __name__ == "__main__":
-  from eagle_jax.drafters.registry import export_drafter
+  # FEATURES RUN_DIR: EAGLE-1 on one device, exported; FEATURES RUN_DIR MESH: EAGLE-3 over MESH
+  if len(sys.argv) > 3:
+    from eagle_jax.parallel import make_mesh
 
-  result = run(sys.argv[1], sys.argv[2])
-  export_drafter("eagle1", result.module, sys.argv[2] + "/final", {"steps": result.steps}, lm=None)
+    run(sys.argv[1], sys.argv[2], 3, make_mesh(sys.argv[3]))
+  else:
+    from eagle_jax.drafters.registry import export_drafter
+
+    result = run(sys.argv[1], sys.argv[2])
+    export_drafter("eagle1", result.module, sys.argv[2] + "/final", {"steps": result.steps}, lm=None)
