@@ -232,12 +232,13 @@ def _run_training(cfg, trainable, run_dir: str, lm, mesh, progress: bool) -> dic
       "heldout": {k: round(v, 4) for k, v in result.last_eval.items() if "rank" not in k}},
       lm, token_counts=counts)
   tuned = {}
-  if cfg.tune.enabled and trainable.tune is not None and jax.process_count() > 1:
-    print(f"[train] budget tuning skipped across {jax.process_count()} processes: it times one "
-          f"host's passes; run `eagle-jax tune {final}` on one host", file=sys.stderr)
-  elif cfg.tune.enabled and trainable.tune is not None:
-    tuned = trainable.tune(final, lm, cfg.tune, heldout_prompts(lm.tokenizer, cfg.tune.prompts, cfg.data),
-                           result.last_eval)
+  if cfg.tune.enabled and trainable.tune is not None:
+    if jax.process_count() > 1:
+      print(f"[train] budget tuning skipped across {jax.process_count()} processes: it times one "
+            f"host's passes; run `eagle-jax tune {final}` on one host", file=sys.stderr)
+    else:
+      tuned = trainable.tune(final, lm, cfg.tune,
+                             heldout_prompts(lm.tokenizer, cfg.tune.prompts, cfg.data), result.last_eval)
   summary = {"run_dir": run_dir, "final": final, "steps": result.steps,
              "train_tokens": result.tokens, "resumed_from": result.resumed_from,
              "feature_rows": data.num_rows, "feature_tokens": data.num_tokens,
