@@ -153,6 +153,63 @@ def test_rerun_only_rerenders(finished, monkeypatch, capsys):
   assert timed == []  # the stored costs.json covers vanilla's sizes: nothing is timed again
 
 
+class Killed(BaseException):
+  """Stands for a kill: raised right after a batch's records were synced to disk."""
+
+
+def test_an_interrupted_unit_resumes_after_its_last_finished_batch(finished, tmp_path, monkeypatch):
+  _, first = finished
+  config = tmp_path / "exp.yaml"
+  config.write_text(CONFIG.format(results=tmp_path / "results", runs=tmp_path / "runs", prompts="mtbench"))
+  out = tmp_path / "results" / "tiny"
+  append, batches = experiment.store.append, []
+
+  def killed_after_two_skip2_batches(path, records):
+    append(path, records)
+    batches.append(os.path.basename(path))
+    if batches.count("skip2-T0.0.jsonl") == 2:
+      raise Killed
+
+  monkeypatch.setattr(experiment.store, "append", killed_after_two_skip2_batches)
+  with pytest.raises(Killed):
+    experiment.run_experiment(str(config), progress=False)
+  monkeypatch.setattr(experiment.store, "append", append)
+  assert (out / "records" / "pld-T0.0.jsonl").is_file()  # finished before the kill: stored
+  assert not (out / "records" / "skip2-T0.0.jsonl").exists()
+  partial = out / "records" / "skip2-T0.0.partial.jsonl"
+  assert len(partial.read_text().splitlines()) == 2
+  with open(partial, "a") as f:
+    f.write('{"id": "8')  # a line the kill cut short
+  starts, decode = [], experiment.decode_batches
+
+  def counted(lm, drafter, dparams, prompts, method, temperature, ev, start=0):
+    starts.append((method, temperature, start))
+    return decode(lm, drafter, dparams, prompts, method, temperature, ev, start)
+
+  monkeypatch.setattr(experiment, "decode_batches", counted)
+  summary = experiment.run_experiment(str(config), progress=False)
+  # skip2 goes on after its two finished batches, pld is not decoded again, and vanilla is
+  # timed again (every prompt) beside skip2; the other temperature runs whole
+  assert [s for s in starts if s[1] == 0.0] == [("vanilla", 0.0, 0), ("skip2", 0.0, 2)]
+  assert [s for s in starts if s[1] == 1.0] == [(m, 1.0, 0) for m in ("vanilla", "pld", "skip2")]
+  assert not partial.exists()
+  for name in ("vanilla", "pld", "skip2"):
+    for t in ("T0.0", "T1.0"):  # the same tokens as the uninterrupted run (sampling included)
+      got = experiment.store.read_jsonl(str(out / "records" / f"{name}-{t}.jsonl"))
+      want = experiment.store.read_jsonl(str(first / "records" / f"{name}-{t}.jsonl"))
+      assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want], (name, t)
+  skip2 = experiment.store.read_jsonl(str(out / "records" / "skip2-T0.0.jsonl"))
+  pld = experiment.store.read_jsonl(str(out / "records" / "pld-T0.0.jsonl"))
+  before, now = skip2[0]["session"], skip2[-1]["session"]
+  assert [r["session"] for r in skip2] == [before, before, now, now] and before != now
+  assert {r["session"] for r in pld} == {before}
+  # the first process's vanilla is kept, and each record is compared with its own process's
+  kept = experiment.store.read_jsonl(str(out / "baselines" / f"vanilla-T0.0-{before}.jsonl"))
+  assert len(kept) == 4 and {r["session"] for r in kept} == {before}
+  assert summary["methods"]["skip2"]["T0.0"]["same_run"] and summary["methods"]["pld"]["T0.0"]["same_run"]
+  assert summary["methods"]["skip2"]["T0.0"]["greedy_mismatches"] == 0
+
+
 def test_a_method_timed_again_is_paired_with_a_vanilla_timed_again(finished, tmp_path, monkeypatch, capsys):
   import shutil
 
@@ -164,9 +221,10 @@ def test_a_method_timed_again_is_paired_with_a_vanilla_timed_again(finished, tmp
                     .replace("gamma: 2}", "gamma: 3}"))
   calls = []
 
-  def stored(lm, drafter, dparams, prompts, method, temperature, *rest):
-    calls.append((method, temperature))
-    return experiment.store.read_jsonl(str(results / "tiny" / "records" / f"{method}-T{temperature}.jsonl"))
+  def stored(lm, drafter, dparams, prompts, method, temperature, *rest, session=None, **k):
+    calls.append((method, temperature))  # decoded again: the records carry this run's session
+    old = experiment.store.read_jsonl(str(results / "tiny" / "records" / f"{method}-T{temperature}.jsonl"))
+    return [dict(r, session=session) for r in old]
 
   monkeypatch.setattr(experiment, "run_unit", stored)
   monkeypatch.setattr(experiment.store, "measure_costs", lambda *a, **k: None)

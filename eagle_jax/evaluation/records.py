@@ -97,11 +97,62 @@ def _read_cached(path, key):
 
 
 def store(path, key, records):
+  """Writes a finished unit's records and key (process 0 only); its partial file goes."""
   if not is_writer():
     return
   os.makedirs(os.path.dirname(path), exist_ok=True)
   write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
   write_atomic(path[:-len(".jsonl")] + ".key.json", json.dumps(key))
+  for leftover in (_partial(path), _partial(path)[:-len(".jsonl")] + ".key.json"):
+    if os.path.exists(leftover):
+      os.remove(leftover)
+
+
+def _partial(path):
+  return path[:-len(".jsonl")] + ".partial.jsonl"
+
+
+def resume(path, key, fresh: bool = False) -> list:
+  """The records an interrupted evaluation of the unit ``(path, key)`` wrote before it was
+  stopped (:func:`append`), in prompt order; [] when there are none under this key (or with
+  ``fresh``: the unit starts over). The partial file is left holding exactly these (a line torn
+  by a kill is dropped), so that appending continues it (process 0 reads and writes; every
+  process gets the records)."""
+  return share(lambda: _resume(path, key, fresh))
+
+
+def _resume(path, key, fresh) -> list:
+  part, part_key = _partial(path), _partial(path)[:-len(".jsonl")] + ".key.json"
+  done = []
+  try:
+    if fresh:
+      raise OSError
+    with open(part_key) as f:
+      same = json.load(f) == json.loads(json.dumps(key))
+    with open(part) as f:
+      for line in f if same else ():
+        try:
+          done.append(json.loads(line))
+        except ValueError:  # the line a kill cut short, and nothing after it
+          break
+  except (OSError, ValueError):
+    done = []
+  if is_writer():
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(part_key, json.dumps(key))
+    write_atomic(part, "".join(json.dumps(r) + "\n" for r in done))
+  return done
+
+
+def append(path, records) -> None:
+  """Appends one batch's records to the partial file :func:`resume` started (process 0 only),
+  synced to disk, so that a killed evaluation resumes after the last batch it finished."""
+  if not is_writer():
+    return
+  with open(_partial(path), "a") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in records))
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def sessions(records) -> set:
@@ -114,20 +165,30 @@ def baseline_path(out, vanilla_unit, session: str) -> str:
 
 
 def keep_baseline(out, vanilla_unit, records) -> None:
-  """Keeps vanilla's records of one earlier process under ``baselines/`` before vanilla is
-  timed again, so the methods that process timed stay paired with it."""
-  if records and len(sessions(records)) == 1 and None not in sessions(records):
-    store(baseline_path(out, vanilla_unit, records[0]["session"]), vanilla_unit[1], records)
+  """Keeps vanilla's records of earlier processes under ``baselines/`` (one file per timing
+  process, merged with what that file holds) before vanilla is timed again, so the records
+  those processes timed stay paired with their own vanilla."""
+  for session in sessions(records or []) - {None}:
+    path = baseline_path(out, vanilla_unit, session)
+    mine = {(r["id"], r["turn"]): r for r in cached(path, vanilla_unit[1]) or []}
+    mine.update({(r["id"], r["turn"]): r for r in records if r.get("session") == session})
+    store(path, vanilla_unit[1], list(mine.values()))
 
 
 def baseline(out, vanilla_unit, vanilla_records, records):
-  """Vanilla's records timed by the process that timed ``records`` (the current ones, or kept
-  under ``baselines/`` with the same evaluation key); the current ones when there are none."""
-  timed_by = sessions(records)
-  if timed_by == sessions(vanilla_records) or len(timed_by) != 1 or None in timed_by:
-    return vanilla_records
-  kept = cached(baseline_path(out, vanilla_unit, next(iter(timed_by))), vanilla_unit[1])
-  return kept or vanilla_records
+  """For each of ``records``, vanilla's record of the same prompt timed by the same process (in
+  the current vanilla records, or kept under ``baselines/`` with the same evaluation key); the
+  current vanilla's record of that prompt where that process's is not kept."""
+  current = {(r["id"], r["turn"]): r for r in vanilla_records}
+  by_session = {}
+  for session in sessions(records) - sessions(vanilla_records) - {None}:
+    kept = cached(baseline_path(out, vanilla_unit, session), vanilla_unit[1]) or []
+    by_session[session] = {(r["id"], r["turn"]): r for r in kept}
+  paired = []
+  for r in records:
+    prompt = (r["id"], r["turn"])
+    paired.append(by_session.get(r.get("session"), {}).get(prompt) or current[prompt])
+  return paired
 
 
 def load_costs(path, model) -> dict:

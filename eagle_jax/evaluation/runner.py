@@ -234,13 +234,14 @@ def questions_for(ev: EvalConfig, announce: bool = True):
 # -- evaluation --------------------------------------------------------------------------------
 
 def decode_batches(lm, drafter, dparams, prompts: list[dict], method: str, temperature: float,
-                   ev: EvalConfig):
-  """Decodes ``prompts`` (dicts with id, category, turn, tokens) a batch at a time, yielding
-  each batch's records (one per prompt): the fastest of ``ev.repeats`` runs."""
+                   ev: EvalConfig, start: int = 0):
+  """Decodes ``prompts`` (dicts with id, category, turn, tokens) a batch at a time from prompt
+  ``start`` (a batch boundary), yielding each batch's records (one per prompt): the fastest of
+  ``ev.repeats`` runs. Batch ``i`` samples with seed ``ev.seed + i`` wherever decoding starts."""
   params = SamplingParams(temperature=temperature)
   stop = None if ev.stop_at_eos else ()
   width = max(len(p["tokens"]) for p in prompts)  # one padded shape: one compilation per unit
-  for i in range(0, len(prompts), ev.batch_size):
+  for i in range(start, len(prompts), ev.batch_size):
     batch = prompts[i:i + ev.batch_size]
     toks = [p["tokens"] for p in batch]
     common = dict(max_new_tokens=ev.max_new_tokens, params=params, seed=ev.seed + i,
@@ -260,14 +261,25 @@ def decode_batches(lm, drafter, dparams, prompts: list[dict], method: str, tempe
 
 
 def run_units(lm, methods: dict, prompts: list[dict], temperature: float, ev: EvalConfig,
-              progress: bool = True) -> dict[str, list[dict]]:
+              progress: bool = True, *, units: dict | None = None,
+              session: str | None = None) -> dict[str, list[dict]]:
   """Records of each method in ``methods`` (name -> (drafter, dparams)) on ``prompts``: one
   method after another, or with ``ev.interleave`` batch by batch across the methods, so that
-  a change in the machine's speed hits every method alike."""
-  runs = {name: decode_batches(lm, *dd, prompts, name, temperature, ev) for name, dd in methods.items()}
-  out = {name: [] for name in runs}
-  bars = {name: tqdm(total=len(prompts), desc=f"{name} T={temperature}", unit="prompt",
-                     disable=not progress) for name in runs}
+  a change in the machine's speed hits every method alike. Records made now carry ``session``
+  (the timing process) when given. With ``units`` (name -> records path and key), each batch's
+  records go to the unit's partial file as they are made, and a unit an earlier process left
+  unfinished under the same key resumes after its last finished batch."""
+  done = {name: store.resume(*units[name]) if units else [] for name in methods}
+  for name, recs in done.items():
+    ids = [(r["id"], r["turn"]) for r in recs]
+    whole = len(recs) % ev.batch_size == 0 or len(recs) == len(prompts)
+    if not whole or ids != [(p["id"], p["turn"]) for p in prompts[:len(recs)]]:
+      done[name] = store.resume(*units[name], fresh=True)  # not this unit's batches: start over
+  runs = {name: decode_batches(lm, *dd, prompts, name, temperature, ev, start=len(done[name]))
+          for name, dd in methods.items()}
+  out = {name: list(done[name]) for name in runs}
+  bars = {name: tqdm(total=len(prompts), initial=len(done[name]), desc=f"{name} T={temperature}",
+                     unit="prompt", disable=not progress) for name in runs}
   order = [list(runs)] if ev.interleave else [[name] for name in runs]
   for group in order:
     live = list(group)
@@ -278,15 +290,21 @@ def run_units(lm, methods: dict, prompts: list[dict], temperature: float, ev: Ev
           live.remove(name)
           bars[name].close()
           continue
+        if session is not None:
+          batch = [dict(r, session=session) for r in batch]
+        if units:
+          store.append(units[name][0], batch)
         out[name] += batch
         bars[name].update(len(batch))
   return out
 
 
 def run_unit(lm, drafter, dparams, prompts: list[dict], method: str, temperature: float,
-             ev: EvalConfig, progress: bool = True) -> list[dict]:
-  """Records of one method on ``prompts``."""
-  return run_units(lm, {method: (drafter, dparams)}, prompts, temperature, ev, progress)[method]
+             ev: EvalConfig, progress: bool = True, *, unit: tuple | None = None,
+             session: str | None = None) -> list[dict]:
+  """Records of one method on ``prompts`` (``unit``: its records path and key, to resume)."""
+  return run_units(lm, {method: (drafter, dparams)}, prompts, temperature, ev, progress,
+                   units={method: unit} if unit else None, session=session)[method]
 
 
 def build_prompts(lm, questions, turns, first_answers: dict | None) -> list[dict]:
@@ -349,7 +367,7 @@ def _evaluate(cfg: ExperimentConfig, lm, mesh, questions, checkpoints: dict, out
     answers = store.cached(apath, akey)
     if answers is None:
       answers = run_unit(lm, None, None, build_prompts(lm, questions, (1,), None), cfg.vanilla.name,
-                         0.0, ev1, progress)
+                         0.0, ev1, progress, unit=(apath, akey))
       store.store(apath, akey, answers)
     first_answers = {r["id"]: r["token_ids"] for r in answers}
   prompts = build_prompts(lm, questions, cfg.eval.turns, first_answers)
@@ -365,9 +383,14 @@ def _evaluate(cfg: ExperimentConfig, lm, mesh, questions, checkpoints: dict, out
   for temperature in cfg.eval.temperatures:
     unit = {m.name: store.unit(out, cfg, m, temperature, checkpoints[m.name], qkey) for m in cfg.methods}
     cached = {name: store.cached(*u) for name, u in unit.items()}
-    if any(r is None for r in cached.values()):  # a method re-timed now gets a vanilla timed now
-      store.keep_baseline(out, unit[cfg.vanilla.name], cached[cfg.vanilla.name])
-      cached[cfg.vanilla.name] = None
+    van = cfg.vanilla.name
+    if any(r is None for name, r in cached.items() if name != van):
+      # a method decoding now gets a vanilla timed now, over every prompt: vanilla's records of
+      # earlier processes (finished or not) are kept for the records those processes timed
+      store.keep_baseline(out, unit[van], cached[van])
+      store.keep_baseline(out, unit[van], store.resume(*unit[van]))
+      store.resume(*unit[van], fresh=True)
+      cached[van] = None
     todo = [m for m in cfg.methods if cached[m.name] is None]
     for m in todo:
       if m.name not in drafters:
@@ -376,16 +399,21 @@ def _evaluate(cfg: ExperimentConfig, lm, mesh, questions, checkpoints: dict, out
         store.measure_costs(costs, m.name, lm.model, *drafters[m.name], prompts[0]["tokens"],
                             sizes=curve_sizes)
         store.write_atomic(costs_path, json.dumps(costs, indent=1))
+    # each unit is stored once finished; till then its batches are kept as they come (resumable)
+    def finished(name, records):
+      cached[name] = records
+      store.store(*unit[name], records)
+
     if cfg.eval.interleave:
-      fresh = run_units(lm, {m.name: drafters[m.name] for m in todo}, prompts, temperature,
-                        cfg.eval, progress)
+      for name, records in run_units(lm, {m.name: drafters[m.name] for m in todo}, prompts,
+                                     temperature, cfg.eval, progress, session=session,
+                                     units={m.name: unit[m.name] for m in todo}).items():
+        finished(name, records)
     else:
-      fresh = {m.name: run_unit(lm, *drafters[m.name], prompts, m.name, temperature, cfg.eval,
-                                progress) for m in todo}
+      for m in todo:
+        finished(m.name, run_unit(lm, *drafters[m.name], prompts, m.name, temperature, cfg.eval,
+                                  progress, unit=unit[m.name], session=session))
     for m in cfg.methods:
-      if m.name in fresh:
-        cached[m.name] = [dict(r, session=session) for r in fresh[m.name]]
-        store.store(*unit[m.name], cached[m.name])
       units[(m.name, temperature)] = cached[m.name]
     for m in cfg.methods:  # each method against the vanilla timed by the same process
       baselines[(m.name, temperature)] = store.baseline(out, unit[cfg.vanilla.name],

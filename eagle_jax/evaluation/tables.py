@@ -61,10 +61,18 @@ def _ceiling(costs):
   return speedup_ceiling(curve) if 1 in curve else None
 
 
+def _same_run(records, vanilla) -> bool:
+  """Whether each record's vanilla (paired record by record, or the whole unit) was timed by the
+  process that timed the record."""
+  if len(records) == len(vanilla):
+    return all(r.get("session") == v.get("session") for r, v in zip(records, vanilla))
+  return {r.get("session") for r in records} == {r.get("session") for r in vanilla}
+
+
 def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict | None = None) -> dict:
   """``summary.json`` of an experiment from its records (``units[(method, T)]``).
-  ``baselines[(method, T)]``: the vanilla records that method is compared with (default: the
-  current vanilla's)."""
+  ``baselines[(method, T)]``: the vanilla records that method is compared with, record by record
+  (default: the current vanilla's)."""
   van = cfg.vanilla.name
   methods = {}
   for m in cfg.methods:
@@ -83,8 +91,9 @@ def summarize(cfg, units: dict, checkpoints: dict, costs: dict, baselines: dict 
           "seconds": round(sum(r["seconds"] for r in recs), 3),
           "new_tokens": sum(r["new_tokens"] for r in recs),
           "greedy_mismatches": mismatches if temp == 0 and m.name != van else None,
-          # both timed by one process (records from before sessions were kept count as one)
-          "same_run": {r.get("session") for r in recs} == {r.get("session") for r in vrecs},
+          # each record against vanilla's timed by the same process (records from before
+          # sessions were kept count as one process)
+          "same_run": _same_run(recs, vrecs),
           "predicted_speedup": _predicted(recs, costs, m.name),
           "predicted_speedup_free_draft": _predicted(recs, costs, m.name, free_draft=True),
           "alpha_iid": _predicted(recs, costs, m.name, alpha=True),
