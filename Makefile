@@ -22,7 +22,7 @@ demo: setup
 	.venv/bin/eagle-jax run $(DEMO_CONFIG)
 
 test: setup
-	$(PY) -m pytest -q --durations=25 -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests
 
 bench: setup
 	.venv/bin/eagle-jax bench decode --json

@@ -53,31 +53,17 @@ def vanilla20(smollm, mtbench_prompts):
   return vanilla_greedy_20(smollm.model, mtbench_prompts)
 
 
-# The suite runs on two xdist workers (--dist loadgroup). A test that uses a fixture shared by its
-# module (a trained run, a built experiment) is grouped with the rest of its module on one worker,
-# so that fixture is built once; every other test is scheduled on its own, so the two workers end
-# together instead of one finishing a long module alone. Compiling real-size programs is
-# single-threaded, so a second worker keeps the second core busy; the longest modules go first.
+# The suite runs on two xdist workers, one test module per worker at a time (--dist loadscope,
+# which hands each worker its first two modules in collection order). Compiling real-size
+# programs is single-threaded, so a second worker keeps the second core busy; the longest modules
+# go first and alternate between the workers so that no worker finishes with a long tail.
 LONGEST_FIRST = ["test_train_cli.py", "test_speculative.py", "test_shipped_lossless.py",
                  "test_experiment.py", "test_eagle.py"]
-_PER_MODULE = "_free_compiled_programs"  # autouse, per module: not a reason to group
 
 
-def _shares_a_module_fixture(item) -> bool:
-  info = getattr(item, "_fixtureinfo", None)
-  if info is None:
-    return False
-  return any(name != _PER_MODULE and defs and defs[-1].scope in ("module", "class", "package")
-             for name, defs in info.name2fixturedefs.items())
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: others keep order
-  for item in items:
-    if _shares_a_module_fixture(item):
-      item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 def pytest_report_header(config):
