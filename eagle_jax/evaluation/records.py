@@ -88,9 +88,18 @@ def cached(path, key):
   return share(lambda: _read_cached(path, key))
 
 
+def _key_path(path):
+  """The key file beside the records file ``path``."""
+  return path[:-len(".jsonl")] + ".key.json"
+
+
+def _lines(records) -> str:
+  return "".join(json.dumps(r) + "\n" for r in records)
+
+
 def _read_cached(path, key):
   try:
-    with open(path[:-len(".jsonl")] + ".key.json") as f:
+    with open(_key_path(path)) as f:
       return read_jsonl(path) if json.load(f) == json.loads(json.dumps(key)) else None
   except (OSError, ValueError):
     return None
@@ -101,9 +110,9 @@ def store(path, key, records):
   if not is_writer():
     return
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
-  write_atomic(path[:-len(".jsonl")] + ".key.json", json.dumps(key))
-  for leftover in (_partial(path), _partial(path)[:-len(".jsonl")] + ".key.json"):
+  write_atomic(path, _lines(records))
+  write_atomic(_key_path(path), json.dumps(key))
+  for leftover in (_partial(path), _key_path(_partial(path))):
     if os.path.exists(leftover):
       os.remove(leftover)
 
@@ -122,25 +131,23 @@ def resume(path, key, fresh: bool = False) -> list:
 
 
 def _resume(path, key, fresh) -> list:
-  part, part_key = _partial(path), _partial(path)[:-len(".jsonl")] + ".key.json"
-  done = []
-  try:
-    if fresh:
-      raise OSError
-    with open(part_key) as f:
-      same = json.load(f) == json.loads(json.dumps(key))
-    with open(part) as f:
-      for line in f if same else ():
-        try:
-          done.append(json.loads(line))
-        except ValueError:  # the line a kill cut short, and nothing after it
-          break
-  except (OSError, ValueError):
-    done = []
+  part, done = _partial(path), []
+  if not fresh:
+    try:
+      with open(_key_path(part)) as f:
+        same = json.load(f) == json.loads(json.dumps(key))
+      with open(part) as f:
+        for line in f if same else ():
+          try:
+            done.append(json.loads(line))
+          except ValueError:  # the line a kill cut short, and nothing after it
+            break
+    except (OSError, ValueError):
+      done = []
   if is_writer():
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(part_key, json.dumps(key))
-    write_atomic(part, "".join(json.dumps(r) + "\n" for r in done))
+    write_atomic(_key_path(part), json.dumps(key))
+    write_atomic(part, _lines(done))
   return done
 
 
@@ -150,7 +157,7 @@ def append(path, records) -> None:
   if not is_writer():
     return
   with open(_partial(path), "a") as f:
-    f.write("".join(json.dumps(r) + "\n" for r in records))
+    f.write(_lines(records))
     f.flush()
     os.fsync(f.fileno())
 
