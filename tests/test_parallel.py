@@ -275,7 +275,8 @@ _PROCESS_SCRIPT = textwrap.dedent("""
                         for m in ("vanilla", "skip1")},
               "wrote": sorted(os.listdir(os.path.join(results, "x"))) if os.path.isdir(results) else []}
     report = {"processes": jax.process_count(), "devices": jax.device_count(), "vanilla": vanilla,
-              "eagle": eagle, "params": digest.hexdigest(), "runner": runner}
+              "eagle": eagle, "params": digest.hexdigest(), "runner": runner,
+              "train_tokens": result.tokens}
     if parallel.is_writer():
       report["losses"] = [r["loss"] for r in read_metrics(run_dir)]
     print(json.dumps(report))
@@ -322,6 +323,8 @@ def test_two_processes_of_4_devices_equal_one_process_of_8(tmp_path):
   assert len(multi["losses"]) == len(one["losses"]) > 10
   np.testing.assert_allclose(multi["losses"], one["losses"], rtol=1e-5)
   assert multi["params"] == one["params"]
+  # every process counts the whole batch's tokens (each holds only its own rows)
+  assert multi["train_tokens"] == other["train_tokens"] == one["train_tokens"] > 0
   # the runner: both processes hold every row's tokens, equal to one process's; process 0
   # wrote the results (process 1 nothing, though it sees no file of process 0's), and a
   # re-run reuses them on both

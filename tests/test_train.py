@@ -145,6 +145,11 @@ def test_a_checkpoint_with_stacked_rows_resumes_in_the_fused_row_order(tmp_path)
   feats = str(tmp_path / "features")
   tiny_training.make_features(feats)
   whole = tiny_training.run(feats, str(tmp_path / "whole"))
+  # the tokens trained on: the nonzero segments of every batch the loop drew
+  data, loop = FeatureShards(feats), tiny_training.LOOP
+  segments = data.rows(range(data.num_rows), ("segments",))["segments"]
+  assert whole.tokens == sum(int((segments[batch_rows_at(s, data.num_rows, loop.batch_rows, loop.seed)]
+                                  > 0).sum()) for s in range(whole.steps)) > 0
   orders = fused_row_orders(whole.module)
   assert any(n.endswith("qkv.weight") for n in orders) and any(n.endswith("gate_up.weight") for n in orders)
 

@@ -178,7 +178,8 @@ def place_optimizer_state(tree, params, mesh):
 
 def make_steps(task: Task, graphdef, tx: optax.GradientTransformation):
   """The jitted ``train_step(params, opt_state, rest, frozen, batch, key) -> (params, opt_state,
-  metrics)`` and ``eval_step(params, rest, frozen, batch) -> metrics`` of ``task`` (its module
+  metrics, tokens)`` (``tokens``: the batch's real tokens, its nonzero ``segments``, counted on
+  the devices that hold them, 0 for a batch without segments) and ``eval_step(params, rest, frozen, batch) -> metrics`` of ``task`` (its module
   split as ``nnx.split(module, nnx.Param, ...)`` gave ``graphdef``)."""
 
   def loss_fn(params, rest, frozen, batch, key, train):
@@ -189,8 +190,9 @@ def make_steps(task: Task, graphdef, tx: optax.GradientTransformation):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         params, rest, frozen, batch, key, True)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, dict(metrics, loss=loss,
-                                                                 grad_norm=optax.global_norm(grads))
+    tokens = jnp.sum(batch["segments"] > 0) if "segments" in batch else jnp.zeros((), jnp.int32)
+    return (optax.apply_updates(params, updates), opt_state,
+            dict(metrics, loss=loss, grad_norm=optax.global_norm(grads)), tokens)
 
   @jax.jit
   def eval_step(params, rest, frozen, batch):
@@ -308,12 +310,12 @@ def _train(task, data, heldout, run_dir, loop, optim, progress, extra_meta, eval
       rows = batch_rows_at(step, data.num_rows, loop.batch_rows, loop.seed)
       batch = _read_batch(data, rows, task.keys, mesh)
       t0 = time.perf_counter()
-      params, opt_state, m = train_step(params, opt_state, rest, frozen, batch,
-                                        jax.random.fold_in(base_key, step))
+      params, opt_state, m, n = train_step(params, opt_state, rest, frozen, batch,
+                                           jax.random.fold_in(base_key, step))
       m = {k: float(v) for k, v in m.items()}
       seconds += time.perf_counter() - t0
       step += 1
-      tokens += int((parallel.to_host(batch["segments"]) > 0).sum()) if "segments" in batch else 0
+      tokens += int(n)  # a replicated scalar: no process gathers the batch itself
       bar.update(1)
       bar.set_postfix(loss=f"{m['loss']:.3f}", tok_per_s=f"{tokens / max(seconds, 1e-9):.0f}")
       record = None
