@@ -328,6 +328,13 @@ def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
   before = experiment.store.checkpoint_key(str(final))
   (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 4, "budget": {"top_k": 4}}))
   assert experiment.store.checkpoint_key(str(final)) != before  # re-tuned: its records are stale
+  tuned = experiment.store.checkpoint_key(str(final))
+  (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 4, "budget": {"top_k": 4},
+                                                  "train_seconds": 81.5}))
+  assert experiment.store.checkpoint_key(str(final)) == tuned  # the same training, timed again
+  (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 5, "budget": {"top_k": 4},
+                                                  "train_seconds": 81.5}))
+  assert experiment.store.checkpoint_key(str(final)) != tuned  # trained further
   a = experiment.store.prompts_key([Question("1", "c", ("Say hi.",))])
   assert experiment.store.prompts_key([Question("1", "c", ("Say bye.",))]) != a  # same id, new text
   assert experiment.store.prompts_key([Question("1", "c", ("Say hi.",))]) == a

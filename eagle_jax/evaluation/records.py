@@ -44,10 +44,19 @@ def machine() -> dict:
           "cpus": os.cpu_count()}
 
 
+# drafter.json fields that time the training process, not properties of the drafter: a rerun
+# of the same training (on a fresh machine) keeps the records made with the first
+_TIMINGS = ("train_seconds",)
+
+
 def checkpoint_key(checkpoint: str | None) -> dict | None:
-  """A trained checkpoint as a cache key: its folder and its ``drafter.json`` (steps, tuned
-  budget), so that retraining or ``eagle-jax tune`` invalidates the records made with it."""
-  return None if checkpoint is None else {"path": checkpoint, "meta": read_meta(checkpoint)}
+  """A trained checkpoint as a cache key: its folder and its ``drafter.json`` (steps, held-out
+  figures, tuned budget; not how long it trained), so that retraining to other weights or
+  ``eagle-jax tune`` invalidates the records made with it."""
+  if checkpoint is None:
+    return None
+  meta = {k: v for k, v in read_meta(checkpoint).items() if k not in _TIMINGS}
+  return {"path": checkpoint, "meta": meta}
 
 
 def prompts_key(questions) -> dict:
