@@ -247,6 +247,15 @@ def test_a_method_timed_again_is_paired_with_a_vanilla_timed_again(finished, tmp
   summary = experiment.run_experiment(str(config), progress=False)
   assert len(list((results / "tiny" / "baselines").glob("vanilla-T0.0-*.jsonl"))) == 2
   assert all(summary["methods"][m][t]["same_run"] for m in summary["methods"] for t in ("T0.0", "T1.0"))
+  # pair_timings false (an acceptance table): skip2 alone is decoded again, vanilla is kept,
+  # and the speedup of the method timed by this process is marked as against another's vanilla
+  calls.clear()
+  config.write_text(config.read_text().replace("gamma: 2}", "gamma: 3}"))
+  summary = experiment.run_experiment(str(config), ["eval.pair_timings=false"], progress=False)
+  assert calls == [("skip2", 0.0), ("skip2", 1.0)]
+  assert summary["methods"]["skip2"]["T0.0"]["same_run"] is False
+  assert summary["methods"]["skip2"]["T0.0"]["tau"] is not None
+  assert "vanilla timed in another run" in (results / "tiny" / "table.md").read_text()
   (results / "tiny" / "summary.json").write_text("{not json")
   assert main(["table", str(results / "tiny")]) == 2
   assert "unreadable summary" in capsys.readouterr().err

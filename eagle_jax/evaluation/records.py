@@ -66,15 +66,19 @@ def prompts_key(questions) -> dict:
 
 
 _TIMING = {"repeats": 1, "interleave": False}  # their defaults
+# settings that do not change a unit's records: which temperatures run, whether vanilla is
+# timed again beside each process's methods
+_NOT_KEYED = ("temperatures", "pair_timings")
 _METHOD = {"budget": "tuned"}  # method fields newer than some records, at their defaults
 
 
 def unit(out, cfg, method, temperature, checkpoint, prompts_key, stem=None):
   """``(records path, key)`` of one (method, temperature) evaluation. The key holds the
-  evaluation settings but not the list of temperatures: adding one keeps the others' units."""
+  evaluation settings but not the list of temperatures (adding one keeps the others' units) nor
+  ``pair_timings``."""
   # the timing settings join the key only when set (records made before they existed stay valid)
   ev = {k: v for k, v in to_dict(cfg.eval).items()
-        if k != "temperatures" and not (k in _TIMING and v == _TIMING[k])}
+        if k not in _NOT_KEYED and not (k in _TIMING and v == _TIMING[k])}
   # the published figures do not change what is measured; newer fields join when set
   meth = {k: v for k, v in to_dict(method).items()
           if k != "published" and not (k in _METHOD and v == _METHOD[k])}

@@ -132,6 +132,10 @@ class EvalConfig:
   seed: int = 0
   repeats: int = 1  # timed runs per batch, the fastest kept
   interleave: bool = False  # methods run batch by batch in turn, not one after another
+  # a process that decodes a method times vanilla again over every prompt, so that each speedup
+  # compares timings of one process; false: vanilla is decoded once and kept (an acceptance
+  # table, whose tau and n-alpha do not depend on timings; speedups across processes are marked)
+  pair_timings: bool = True
 
   def validate(self):
     if not self.turns or set(self.turns) - {1, 2}:
@@ -384,7 +388,7 @@ def _evaluate(cfg: ExperimentConfig, lm, mesh, questions, checkpoints: dict, out
     unit = {m.name: store.unit(out, cfg, m, temperature, checkpoints[m.name], qkey) for m in cfg.methods}
     cached = {name: store.cached(*u) for name, u in unit.items()}
     van = cfg.vanilla.name
-    if any(r is None for name, r in cached.items() if name != van):
+    if cfg.eval.pair_timings and any(r is None for name, r in cached.items() if name != van):
       # a method decoding now gets a vanilla timed now, over every prompt: vanilla's records of
       # earlier processes (finished or not) are kept for the records those processes timed
       store.keep_baseline(out, unit[van], cached[van])
