@@ -48,7 +48,7 @@ def test_shipped_eagle3_sampling_matches_vanilla(smollm):
   vanilla, by a two-sample chi-square at about the 99.99% level; drafts are accepted (tau > 1)."""
   target = smollm.model
   drafter, dparams = shipped_drafter("eagle3", target, total_tokens=6, depth=3, top_k=2)
-  setting = dict(prompts=[smollm.tokenizer.encode("The seven colours of the rainbow are")] * 300,
+  setting = dict(prompts=[smollm.tokenizer.encode("The rainbow is")] * 300,
                  max_new_tokens=3, stop_ids=(), params=SamplingParams(temperature=1.0, top_k=3))
   pairs = lambda gen: [tuple(t[1:3]) for t in gen.tokens]
   ref = pairs(generate(target, seed=1, **setting))
