@@ -328,7 +328,7 @@ def test_a_prompt_file_is_used_whole_unless_cut_and_a_cut_is_announced(tmp_path,
   assert "[eval]" not in capsys.readouterr().err
 
 
-def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
+def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path, monkeypatch):
   from eagle_jax.evaluation.prompts import Question
 
   final = tmp_path / "final"
@@ -344,6 +344,16 @@ def test_cache_keys_follow_the_checkpoint_and_the_prompt_text(tmp_path):
   (final / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 5, "budget": {"top_k": 4},
                                                   "train_seconds": 81.5}))
   assert experiment.store.checkpoint_key(str(final)) != tuned  # trained further
+  # a shipped drafter is keyed by its place among the shipped ones, not by where the clone is
+  keys = []
+  for clone in ("a", "b"):
+    folder = tmp_path / clone / "pretrained" / "tiny" / "eagle1"
+    folder.mkdir(parents=True)
+    (folder / "drafter.json").write_text(json.dumps({"drafter": "eagle1", "steps": 4}))
+    monkeypatch.setenv("EAGLE_JAX_PRETRAINED", str(tmp_path / clone / "pretrained"))
+    keys.append(experiment.store.checkpoint_key(str(folder)))
+  assert keys[0] == keys[1] and keys[0]["path"] == "shipped:tiny/eagle1"
+  assert experiment.store.checkpoint_key(str(final))["path"] == str(final)  # not a shipped one
   a = experiment.store.prompts_key([Question("1", "c", ("Say hi.",))])
   assert experiment.store.prompts_key([Question("1", "c", ("Say bye.",))]) != a  # same id, new text
   assert experiment.store.prompts_key([Question("1", "c", ("Say hi.",))]) == a

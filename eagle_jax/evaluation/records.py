@@ -19,6 +19,7 @@ import jax
 from eagle_jax.configs import to_dict
 from eagle_jax.decoding.costs import curve_from_json, draft_cost_ms, sizes_up_to, verify_cost_curve
 from eagle_jax.decoding.speculative import is_chain, loop_widths, verify_widths
+from eagle_jax.drafters import shipped
 from eagle_jax.drafters.storage import read_meta
 from eagle_jax.parallel import is_writer, share
 
@@ -56,7 +57,18 @@ def checkpoint_key(checkpoint: str | None) -> dict | None:
   if checkpoint is None:
     return None
   meta = {k: v for k, v in read_meta(checkpoint).items() if k not in _TIMINGS}
-  return {"path": checkpoint, "meta": meta}
+  return {"path": _portable(checkpoint), "meta": meta}
+
+
+def _portable(checkpoint: str) -> str:
+  """A shipped drafter's folder as ``shipped:<target>/<kind>``, wherever the package lies (so
+  that records kept in the repository stay valid in another clone); other paths as given."""
+  folder = shipped.root()
+  if folder:
+    rel = os.path.relpath(os.path.abspath(checkpoint), os.path.abspath(folder))
+    if not rel.startswith(os.pardir + os.sep) and rel != os.pardir and not os.path.isabs(rel):
+      return "shipped:" + rel.replace(os.sep, "/")
+  return checkpoint
 
 
 def prompts_key(questions) -> dict:
