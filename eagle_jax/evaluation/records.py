@@ -47,7 +47,7 @@ def machine() -> dict:
 
 # drafter.json fields that time the training process, not properties of the drafter: a rerun
 # of the same training (on a fresh machine) keeps the records made with the first
-_TIMINGS = ("train_seconds",)
+_TRAINING_TIME = ("train_seconds",)
 
 
 def checkpoint_key(checkpoint: str | None) -> dict | None:
@@ -56,18 +56,16 @@ def checkpoint_key(checkpoint: str | None) -> dict | None:
   ``eagle-jax tune`` invalidates the records made with it."""
   if checkpoint is None:
     return None
-  meta = {k: v for k, v in read_meta(checkpoint).items() if k not in _TIMINGS}
+  meta = {k: v for k, v in read_meta(checkpoint).items() if k not in _TRAINING_TIME}
   return {"path": _portable(checkpoint), "meta": meta}
 
 
 def _portable(checkpoint: str) -> str:
   """A shipped drafter's folder as ``shipped:<target>/<kind>``, wherever the package lies (so
   that records kept in the repository stay valid in another clone); other paths as given."""
-  folder = shipped.root()
-  if folder:
-    rel = os.path.relpath(os.path.abspath(checkpoint), os.path.abspath(folder))
-    if not rel.startswith(os.pardir + os.sep) and rel != os.pardir and not os.path.isabs(rel):
-      return "shipped:" + rel.replace(os.sep, "/")
+  folder, path = os.path.abspath(shipped.root() or os.sep), os.path.abspath(checkpoint)
+  if shipped.root() and os.path.commonpath([folder, path]) == folder:
+    return "shipped:" + os.path.relpath(path, folder).replace(os.sep, "/")
   return checkpoint
 
 

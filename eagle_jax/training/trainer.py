@@ -179,8 +179,9 @@ def place_optimizer_state(tree, params, mesh):
 def make_steps(task: Task, graphdef, tx: optax.GradientTransformation):
   """The jitted ``train_step(params, opt_state, rest, frozen, batch, key) -> (params, opt_state,
   metrics, tokens)`` (``tokens``: the batch's real tokens, its nonzero ``segments``, counted on
-  the devices that hold them, 0 for a batch without segments) and ``eval_step(params, rest, frozen, batch) -> metrics`` of ``task`` (its module
-  split as ``nnx.split(module, nnx.Param, ...)`` gave ``graphdef``)."""
+  the devices that hold them, 0 for a batch without segments) and ``eval_step(params, rest,
+  frozen, batch) -> metrics`` of ``task`` (its module split as ``nnx.split(module, nnx.Param,
+  ...)`` gave ``graphdef``)."""
 
   def loss_fn(params, rest, frozen, batch, key, train):
     return task.loss(nnx.merge(graphdef, params, rest), frozen, batch, key, train)
